@@ -1,0 +1,78 @@
+"""Reference engine on plain HF transformers.
+
+The fallback for models vLLM cannot load and the oracle for tests and
+`eagle3-verify`: same interface, same layer convention, same outputs as the
+vLLM engine, computed by an independent code path (one sample per forward, no
+padding, so nothing about batching can leak into the numbers).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from ..types import Batch, ExtractedBatch
+from . import ModelInfo
+from .layers import attach_capture, find_decoder_layers
+
+
+class HFEngine:
+    def __init__(self, cfg: Any, info: ModelInfo, layer_ids: list[int]):
+        from transformers import AutoModelForCausalLM
+
+        device = getattr(cfg.engine, "device", "auto")
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.device = torch.device(device)
+        self.layer_ids = list(layer_ids)
+        self.num_layers = info.num_layers
+        self.hidden_size = info.hidden_size
+        self.dtype = info.dtype
+        self.model = AutoModelForCausalLM.from_pretrained(
+            info.path,
+            torch_dtype=info.dtype,
+            trust_remote_code=bool(cfg.model.trust_remote_code),
+        ).to(self.device)
+        self.model.eval()
+        _, self.layers = find_decoder_layers(self.model)
+        if len(self.layers) != self.num_layers:
+            raise ValueError(
+                f"{info.path}: found {len(self.layers)} decoder layers, config says "
+                f"{self.num_layers}"
+            )
+        self._captured: dict[int, torch.Tensor] = {}
+        self._hooks = attach_capture(self.layers, self.layer_ids, self._sink)
+
+    def _sink(self, column: int, state: torch.Tensor) -> None:
+        self._captured[column] = state[0]  # batch of one: [T, H]
+
+    @torch.inference_mode()
+    def extract(self, batch: Batch) -> ExtractedBatch:
+        t0 = time.perf_counter()
+        states = []
+        for sample in batch.samples:
+            self._captured.clear()
+            ids = torch.tensor([sample.input_ids], device=self.device)
+            # The LM head is not needed: run the base model only.
+            self.model.get_decoder()(input_ids=ids, use_cache=False)
+            got = sorted(self._captured)
+            if got != list(range(len(self.layer_ids))):
+                raise RuntimeError(f"captured layer columns {got}, expected {self.layer_ids}")
+            out = torch.stack([self._captured[c] for c in got], dim=1).to("cpu")
+            if out.shape != (len(sample), len(self.layer_ids), self.hidden_size):
+                raise RuntimeError(
+                    f"sample {sample.index}: captured {tuple(out.shape)}, expected "
+                    f"({len(sample)}, {len(self.layer_ids)}, {self.hidden_size})"
+                )
+            states.append(out)
+        return ExtractedBatch(batch.samples, states, seconds=time.perf_counter() - t0)
+
+    def close(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        self.model = None
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
