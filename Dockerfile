@@ -129,13 +129,18 @@ RUN if [ -z "${VLLM_WHEEL_URL}" ]; then set -- --expect "vllm=${VLLM_VERSION}"; 
         --expect "torch=${TORCH_VERSION}" \
         --expect "speculators=${SPECULATORS_VERSION}"
 
+# The test suite and the files it checks, so `entrypoint.sh test` (compose profile `test`)
+# runs in the image.
 COPY tests/ tests/
+COPY requirements/ requirements/
+COPY Makefile Dockerfile docker-compose.yml .dockerignore ./
 COPY entrypoint.sh entrypoint.sh
 
 # The job's user (not root). APP_UID/APP_GID default to 1000, the usual first user of a
 # Linux host, so bind-mounted host directories are writable; compose can also run the
 # container as the host user (EAGLE3_UID/EAGLE3_GID), which the sticky world-writable
-# data directories allow. Ubuntu 24.04's preinstalled `ubuntu` user (uid 1000) is removed.
+# data directories (and home) allow. Ubuntu 24.04's preinstalled `ubuntu` user (uid 1000)
+# is removed.
 ARG APP_UID=1000
 ARG APP_GID=1000
 RUN if id ubuntu > /dev/null 2>&1; then userdel --remove ubuntu 2> /dev/null || userdel ubuntu; fi \
@@ -143,14 +148,16 @@ RUN if id ubuntu > /dev/null 2>&1; then userdel --remove ubuntu 2> /dev/null || 
     && useradd --create-home --uid "${APP_UID}" --gid eagle3 --shell /bin/bash eagle3 \
     && mkdir -p /data/hf-cache /data/outputs /data/datasets /data/cache \
     && chown eagle3:eagle3 /data/hf-cache /data/outputs /data/datasets /data/cache \
-    && chmod 1777 /data/hf-cache /data/outputs /data/cache
+    && chmod 1777 /data/hf-cache /data/outputs /data/cache /home/eagle3
 
 # Runtime environment.
 #  - HF_HOME: Hugging Face cache (models, tokenizers, hub datasets): a volume.
 #  - EAGLE3_OUTPUT_ROOT: where the job writes extractions, manifests and Hydra logs.
 #  - /data/datasets: local datasets, mounted read-only.
-#  - /data/cache: kernel caches (FlashInfer JIT, Triton, vLLM, torch inductor); a named
-#    volume in docker-compose.yml so JIT compilation happens once per host.
+#  - /data/cache: kernel caches (FlashInfer JIT, Triton, vLLM, torch inductor) and the
+#    embedded tiny models (EAGLE3_CACHE); a named volume in docker-compose.yml so JIT
+#    compilation happens once per host.
+#  - no usage statistics are sent (batch job; GPU hosts are often offline).
 #  - VLLM_WORKER_MULTIPROC_METHOD=spawn: CUDA cannot be re-initialised in forked workers.
 #  - TORCH_CUDA_ARCH_LIST: any torch extension built at run time covers sm90, sm100 and
 #    sm120 (+PTX). FlashInfer's JIT compiles for the GPUs it finds.
@@ -160,12 +167,15 @@ ENV HF_HOME=/data/hf-cache \
     EAGLE3_DATASET_ROOT=/data/datasets \
     EAGLE3_HOME=/opt/eagle3-extract \
     EAGLE3_BUILD_INFO=/opt/eagle3-extract/BUILD_INFO.json \
+    EAGLE3_CACHE=/data/cache/eagle3-extract \
     XDG_CACHE_HOME=/data/cache \
     VLLM_CACHE_ROOT=/data/cache/vllm \
     TRITON_CACHE_DIR=/data/cache/triton \
     TORCHINDUCTOR_CACHE_DIR=/data/cache/torchinductor \
     FLASHINFER_WORKSPACE_BASE=/data/cache \
     VLLM_WORKER_MULTIPROC_METHOD=spawn \
+    VLLM_NO_USAGE_STATS=1 \
+    DO_NOT_TRACK=1 \
     TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST} \
     CUDA_HOME=/usr/local/cuda \
     PYTHONUNBUFFERED=1 \

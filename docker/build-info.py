@@ -100,6 +100,11 @@ def main(argv: list[str] | None = None) -> int:
     manifest = patch_manifest()
     if manifest is None:
         errors.append("no patch manifest (speculators/_eagle3_patches.json) after apply")
+    elif manifest.get("series_sha256") != args.series_hash:
+        errors.append(
+            f"the patch manifest records series {manifest.get('series_sha256')}, "
+            f"the copied patches hash to {args.series_hash}"
+        )
 
     if errors:
         for e in errors:

@@ -1,0 +1,127 @@
+# eagle3-extract: the front door. `make help` lists the targets.
+#
+#   make extract                      # bare machine: builds .venv, runs the embedded default
+#   make extract DATASET=sharegpt MODEL=llama3-8b ARGS="model.tensor_parallel_size=8"
+#   make extract DATASET=data/my.jsonl ARGS="dataset.max_samples=100"
+#   make test                         # the CPU test suite in .venv
+#
+# extract/sweep/verify run in the image (docker compose) when a Docker daemon is reachable
+# and `nvidia-smi` works, else in the local .venv. RUNNER=docker|local forces one.
+
+SHELL := bash
+.SHELLFLAGS := -eu -o pipefail -c
+.DEFAULT_GOAL := help
+MAKEFLAGS += --no-print-directory
+
+PYTHON ?= python3
+VENV ?= .venv
+UV := $(VENV)/bin/uv
+VPY := $(VENV)/bin/python
+
+IMAGE ?= eagle3-extract:latest
+DOCKER ?= docker
+COMPOSE ?= $(DOCKER) compose
+RUNNER ?= auto
+BUILD_ARGS ?=
+
+DATASET ?=
+MODEL ?=
+ARGS ?=
+DIR ?=
+BENCH_ARGS ?=
+PYTEST_ARGS ?=
+
+# The compose file reads these (image name, container user, host paths).
+export EAGLE3_IMAGE := $(IMAGE)
+export EAGLE3_UID ?= $(shell id -u)
+export EAGLE3_GID ?= $(shell id -g)
+EAGLE3_HOST_OUTPUTS ?= ./outputs
+EAGLE3_HOST_DATASETS ?= ./datasets
+EAGLE3_HOST_HF_CACHE ?= $(HOME)/.cache/huggingface
+export EAGLE3_HOST_OUTPUTS EAGLE3_HOST_DATASETS EAGLE3_HOST_HF_CACHE
+
+PATCH_FILES := $(wildcard patches/series patches/*.patch patches/*.diff)
+PATCH_PROGRAM := $(wildcard src/eagle3_extract/patching.py src/eagle3_extract/patching/*.py)
+LINT_PY := $(wildcard src tests bench docker)
+
+ifeq ($(filter auto docker local,$(RUNNER)),)
+$(error RUNNER must be auto, docker or local, not '$(RUNNER)')
+endif
+# docker/make-job.sh runs extract/sweep/verify (runner choice, DATASET/MODEL mapping).
+export RUNNER DATASET MODEL DIR VENV DOCKER COMPOSE MAKE
+
+.PHONY: help venv build extract sweep verify test lint bench clean distclean lock-cpu lock-cuda
+
+help: ## this list
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F ':.*## ' '{printf "  %-10s %s\n", $$1, $$2}'
+
+# --- local environment ------------------------------------------------------------------
+# $(VENV)/.installed: interpreter, uv (hash-pinned, from cpu.lock), cpu.lock, the --no-deps
+# packages and the project (editable). Rebuilt only when a lock file or pyproject changes.
+$(VENV)/.installed: requirements/cpu.lock requirements/cpu-nodeps.lock pyproject.toml docker/lock-pick.sh
+	@test -x $(VPY) || $(PYTHON) -m venv $(VENV)
+	docker/lock-pick.sh requirements/cpu.lock uv setuptools > $(VENV)/bootstrap.txt
+	$(VPY) -m pip install --quiet --require-hashes --no-deps -r $(VENV)/bootstrap.txt
+	$(UV) pip install --python $(VPY) --require-hashes --no-build-isolation -r requirements/cpu.lock
+	$(UV) pip install --python $(VPY) --require-hashes --no-deps -r requirements/cpu-nodeps.lock
+	$(UV) pip install --python $(VPY) --no-deps --no-build-isolation -e .
+	@touch $@
+
+# $(VENV)/.patched: the patch series (it patches speculators only) applied to a pristine
+# speculators, reinstalled from the uv cache first so a changed series never stacks on an
+# old one. Rebuilt when the series, a patch or the patch program changes.
+$(VENV)/.patched: $(VENV)/.installed $(PATCH_FILES) $(PATCH_PROGRAM)
+	$(UV) pip install --python $(VPY) --require-hashes --no-deps --reinstall-package speculators \
+		-r requirements/cpu-nodeps.lock
+	$(VENV)/bin/eagle3-patches apply
+	@touch $@
+
+venv: $(VENV)/.patched ## create/update .venv (CPU env from the locks, project, patches)
+
+# --- image --------------------------------------------------------------------------------
+build: ## docker build the GPU image (IMAGE=eagle3-extract:latest, BUILD_ARGS=...)
+	series=$$(docker/series-hash.sh patches); \
+	commit=$$(git rev-parse HEAD 2> /dev/null || echo unknown); \
+	git diff --quiet HEAD 2> /dev/null || commit=$$commit-dirty; \
+	$(DOCKER) build -f Dockerfile -t $(IMAGE) \
+		--build-arg PATCH_SERIES_SHA256=$$series --build-arg GIT_COMMIT=$$commit \
+		$(BUILD_ARGS) .
+
+# --- jobs ---------------------------------------------------------------------------------
+extract: ## run an extraction: DATASET=name|file MODEL=name ARGS="hydra overrides"
+	@docker/make-job.sh extract $(ARGS)
+
+sweep: ## Hydra multirun (eagle3-extract -m): same variables as extract
+	@docker/make-job.sh sweep $(ARGS)
+
+verify: ## recompute samples of an extraction with the reference engine: DIR=... ARGS=...
+	@docker/make-job.sh verify $(ARGS)
+
+# --- checks -------------------------------------------------------------------------------
+test: venv ## the test suite in .venv (PYTEST_ARGS=...)
+	$(VPY) -m pytest -q tests $(PYTEST_ARGS)
+
+lint: $(VENV)/.installed ## hadolint, compose schema, shellcheck, ruff
+	$(VENV)/bin/hadolint Dockerfile
+	$(VENV)/bin/check-jsonschema --builtin-schema vendor.compose-spec docker-compose.yml
+	$(VENV)/bin/shellcheck entrypoint.sh docker/*.sh $(wildcard .ci/run)
+	$(VENV)/bin/ruff check $(LINT_PY)
+
+bench: venv ## throughput benchmark, CPU smoke defaults (BENCH_ARGS=...)
+	$(VPY) bench/run.py $(BENCH_ARGS)
+
+# --- locks --------------------------------------------------------------------------------
+lock-cpu: $(VENV)/.installed ## regenerate requirements/cpu.lock from cpu.in
+	$(UV) pip compile requirements/cpu.in --python-version 3.11 --generate-hashes -o requirements/cpu.lock
+
+lock-cuda: $(VENV)/.installed ## regenerate requirements/cuda.lock from cuda.in
+	$(UV) pip compile requirements/cuda.in --python-version 3.12 \
+		--python-platform x86_64-manylinux_2_31 --generate-hashes -o requirements/cuda.lock
+
+# --- cleaning (never touches outputs/) ------------------------------------------------------
+clean: ## caches and build leftovers
+	rm -rf .pytest_cache .ruff_cache build src/*.egg-info
+	find . -path ./$(VENV) -prune -o -name __pycache__ -type d -prune -exec rm -rf {} +
+
+distclean: clean ## clean, and remove .venv
+	rm -rf $(VENV)
