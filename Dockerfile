@@ -39,7 +39,7 @@ RUN --mount=type=cache,target=/var/cache/apt,sharing=locked \
     && apt-get install -y --no-install-recommends \
         "python${PYTHON_VERSION}" "python${PYTHON_VERSION}-dev" "python${PYTHON_VERSION}-venv" \
         build-essential ca-certificates patch \
-    && python3 --version
+    && "python${PYTHON_VERSION}" --version
 
 # A virtual environment owned by root (read-only for the job), with uv bootstrapped by pip
 # from the same hash-pinned lock as everything else.
@@ -101,6 +101,7 @@ COPY conf/ conf/
 COPY src/ src/
 RUN --mount=type=cache,target=/root/.cache/uv \
     uv pip install --no-deps --no-build-isolation -e . \
+    && python -m compileall -q src \
     && python -c "import eagle3_extract"
 
 # Our patch series, applied by the same program CI runs (`eagle3-patches apply`, i.e.
@@ -143,7 +144,8 @@ COPY entrypoint.sh entrypoint.sh
 # is removed.
 ARG APP_UID=1000
 ARG APP_GID=1000
-RUN if id ubuntu > /dev/null 2>&1; then userdel --remove ubuntu 2> /dev/null || userdel ubuntu; fi \
+RUN if id ubuntu > /dev/null 2>&1; then userdel --remove ubuntu || true; fi \
+    && if getent group ubuntu > /dev/null; then groupdel ubuntu; fi \
     && groupadd --gid "${APP_GID}" eagle3 \
     && useradd --create-home --uid "${APP_UID}" --gid eagle3 --shell /bin/bash eagle3 \
     && mkdir -p /data/hf-cache /data/outputs /data/datasets /data/cache \

@@ -83,7 +83,7 @@ build: ## docker build the GPU image (IMAGE=eagle3-extract:latest, BUILD_ARGS=..
 	series=$$(docker/series-hash.sh patches); \
 	commit=$$(git rev-parse HEAD 2> /dev/null || echo unknown); \
 	git diff --quiet HEAD 2> /dev/null || commit=$$commit-dirty; \
-	$(DOCKER) build -f Dockerfile -t $(IMAGE) \
+	DOCKER_BUILDKIT=1 $(DOCKER) build -f Dockerfile -t $(IMAGE) \
 		--build-arg PATCH_SERIES_SHA256=$$series --build-arg GIT_COMMIT=$$commit \
 		$(BUILD_ARGS) .
 
