@@ -1,0 +1,61 @@
+"""Shared fixtures: tiny models (built from committed configs) and engines.
+
+Engines are expensive to start (15-40 s on 2 cores), so tests share them per
+module. Every engine here is the real one: vLLM 0.16's CPU build and HF
+transformers.
+"""
+
+from __future__ import annotations
+
+import os
+from types import SimpleNamespace
+
+import pytest
+
+# Before vLLM is imported anywhere: small KV cache (faster start), MLA off (not
+# supported on CPU), two CPU workers pinned to one core each for TP/PP=2.
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("VLLM_MLA_DISABLE", "1")
+os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0|1" if (os.cpu_count() or 1) >= 2 else "0")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def model_cfg(arch: str = "llama", dtype: str = "bfloat16", **kw) -> SimpleNamespace:
+    base = dict(path="tiny", tiny_config=arch, tokenizer=None, trust_remote_code=False,
+                dtype=dtype, max_model_len=1024, tensor_parallel_size=1,
+                pipeline_parallel_size=1, gpu_memory_utilization=0.5, quantization=None,
+                load_format=None)
+    base.update(kw)
+    return SimpleNamespace(**base)
+
+
+def engine_cfg(name: str, **kw) -> SimpleNamespace:
+    base = dict(name=name, token_budget=1024, max_num_seqs=16, host_buffers=2,
+                enforce_eager=True, device="cpu", distributed_executor_backend=None,
+                vllm_args=None)
+    base.update(kw)
+    return SimpleNamespace(**base)
+
+
+def make_engine(name: str, layer_ids=None, arch="llama", dtype="bfloat16", model_kw=None,
+                **engine_kw):
+    from eagle3_extract.engine import build_engine, inspect_model, resolve_layer_ids
+
+    m = model_cfg(arch, dtype, **(model_kw or {}))
+    info = inspect_model(m)
+    ids = resolve_layer_ids(layer_ids, info.num_layers)
+    cfg = SimpleNamespace(model=m, engine=engine_cfg(name, **engine_kw))
+    return build_engine(cfg, info, ids)
+
+
+def rel_err(a, b):
+    """Per-token relative error [T, L] of a against reference b."""
+    a, b = a.float(), b.float()
+    return (a - b).norm(dim=-1) / b.norm(dim=-1).clamp_min(1e-6)
+
+
+@pytest.fixture(scope="session")
+def tiny_paths():
+    from eagle3_extract.tiny import build_tiny_model
+
+    return {a: build_tiny_model(a) for a in ("llama", "qwen3", "deepseek_v3")}
