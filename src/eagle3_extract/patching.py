@@ -2,8 +2,9 @@
 
 The Dockerfile and CI call exactly this program. It never skips a patch: the
 whole series is first applied to a scratch copy of the target files (each
-patch on top of the previous one, as it will be applied for real); only if
-every hunk of every patch applies are the installed files replaced. What was
+patch on top of the previous one, as it will be applied for real, with no
+fuzz: a hunk whose context moved is an error, not a guess); only if every hunk
+of every patch applies are the installed files replaced. What was
 applied (names, sha256, resulting file hashes) is recorded in a manifest inside
 the install, which a running job reports.
 
@@ -84,11 +85,19 @@ def default_target() -> Path:
     return Path(list(spec.submodule_search_locations)[0]).parent
 
 
-def installed_versions() -> dict[str, str | None]:
+def installed_versions(target: Path | None = None) -> dict[str, str | None]:
+    """speculators as installed in `target`; vllm as the running environment has it."""
     found: dict[str, str | None] = {}
     for key, dists in EXPECTED.items():
         found[key] = None
         for dist in dists:
+            if key == "speculators" and target is not None:
+                hits = [d for d in md.distributions(path=[str(target)])
+                        if (d.metadata["Name"] or "").lower() == dist]
+                if hits:
+                    found[key] = hits[0].version
+                    break
+                continue
             try:
                 found[key] = md.version(dist)
                 break
@@ -97,8 +106,8 @@ def installed_versions() -> dict[str, str | None]:
     return found
 
 
-def check_versions() -> dict[str, str]:
-    found = installed_versions()
+def check_versions(target: Path | None = None) -> dict[str, str]:
+    found = installed_versions(target)
     wrong = {k: v for k, v in found.items() if not version_ok(k, v)}
     if wrong:
         lines = [f"{k}: installed {v or 'nothing'}, series written for "
@@ -120,7 +129,7 @@ def targets(patch: Path) -> list[str]:
 
 def _patch(patch: Path, cwd: Path) -> None:
     res = subprocess.run(
-        ["patch", "-p1", "--forward", "--batch", "--no-backup-if-mismatch",
+        ["patch", "-p1", "--forward", "--batch", "--fuzz=0", "--no-backup-if-mismatch",
          "-r", "-", "-d", str(cwd), "-i", str(patch)],
         capture_output=True, text=True,
     )
@@ -131,7 +140,7 @@ def _patch(patch: Path, cwd: Path) -> None:
 
 
 def apply(target: Path, patches: Path) -> str:
-    versions = check_versions()
+    versions = check_versions(target)
     series = read_series(patches)
     manifest_path = target / MANIFEST
     manifest = load_manifest(target)
