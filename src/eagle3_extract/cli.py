@@ -1,0 +1,324 @@
+"""`eagle3-extract`: the Hydra main that runs data -> batching -> engine -> writer.
+
+Preflight first: everything that can be wrong with a config (model shape, layer
+ids, tokenizer, dataset, output dir, disk space, run identity) is checked in
+seconds, before the engine spends minutes loading a model. A preflight failure
+prints one message naming the key to change and exits 2, without a traceback.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
+
+from . import config as config_mod
+from .batching import iter_batches, plan_batches, shard_mask, todo_mask
+from .config import PreflightError, conf_dir, max_length, validate
+from .data import Renderer, Tokenized, build_dataset, load_tokenizer, read_nonempty
+from .manifest import (
+    base_manifest,
+    check_run_json,
+    manifest_name,
+    run_identity,
+    write_json_atomic,
+    write_run_json,
+)
+from .progress import Progress
+from .writer import (
+    EXTENSIONS,
+    Writer,
+    clean_stale_temps,
+    file_bytes,
+    finished_indices,
+)
+
+log = logging.getLogger("eagle3_extract")
+MANIFEST_EVERY_S = 60.0
+
+
+@dataclass
+class Plan:
+    """Everything preflight established; the extraction needs nothing else."""
+
+    cfg: Any
+    resolved: dict[str, Any]
+    root: Path
+    info: Any
+    layer_ids: list[int]
+    ident: dict[str, Any]
+    mine: Tokenized  # this shard's usable samples
+    todo: Tokenized  # of those, the ones without a final file
+    resumed: int  # finished files found at start (this shard)
+    stale_temps: int
+    preflight_s: float
+
+
+def _resolve(cfg: Any) -> dict[str, Any]:
+    try:
+        return OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
+    except MissingMandatoryValue as e:
+        key = getattr(e, "full_key", None) or "a key"
+        raise config_mod.ConfigError(
+            f"{key} is missing: set it on the command line (e.g. layers=explicit "
+            "layers.ids=[1,3,5], dataset=local dataset.path=/data/chats.jsonl)"
+        ) from e
+    except OmegaConfBaseException as e:
+        raise config_mod.ConfigError(f"config error: {e}") from e
+
+
+def _check_writable(root: Path) -> None:
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        probe = root / f".write-probe-{os.getpid()}"
+        probe.write_bytes(b"ok")
+        probe.unlink()
+    except OSError as e:
+        raise PreflightError(
+            f"output.dir={str(root)!r} is not writable ({e.strerror or e}); set output.dir "
+            "to a writable directory"
+        ) from e
+
+
+def preflight(cfg: Any) -> Plan:
+    """Check the config against the model, data and disk; raise PreflightError."""
+    from .engine import inspect_model, resolve_layer_ids
+
+    t0 = time.perf_counter()
+    validate(cfg)
+    resolved = _resolve(cfg)
+    root = Path(os.path.abspath(os.path.expanduser(str(cfg.output.dir))))
+    # Cheap checks first: a wrong path should not wait for a model config to load.
+    _check_writable(root)
+    rows = read_nonempty(cfg.dataset)
+    max_len = max_length(cfg)
+    if cfg.engine.token_budget < max_len:
+        raise PreflightError(
+            f"engine.token_budget={cfg.engine.token_budget} is smaller than the longest "
+            f"allowed sample ({max_len} tokens = dataset.max_length or model.max_model_len - 1)"
+            f"; raise engine.token_budget to >= {max_len} or lower dataset.max_length"
+        )
+    try:
+        info = inspect_model(cfg.model)
+    except (ValueError, OSError) as e:
+        raise PreflightError(f"model.path={str(cfg.model.path)!r}: {e}") from e
+    try:
+        layer_ids = resolve_layer_ids(
+            None if cfg.layers.ids is None else list(cfg.layers.ids), info.num_layers
+        )
+    except ValueError as e:
+        raise PreflightError(f"layers.ids: {e}") from e
+    tokenizer = load_tokenizer(info.tokenizer_path, bool(cfg.model.trust_remote_code))
+    renderer = Renderer(tokenizer)  # raises if there is no chat template
+    ident = run_identity(cfg, info, layer_ids, tokenizer, max_len)
+    check_run_json(root, ident)
+
+    data = build_dataset(cfg.dataset, renderer.tok, max_len, rows)
+    mine = data.select(shard_mask(data.indices, int(cfg.shard.index), int(cfg.shard.count)))
+    fmt = str(cfg.output.format)
+    done = finished_indices(root, fmt)
+    todo = mine.select(todo_mask(mine.indices, done))
+
+    itemsize = info.dtype.itemsize
+    per_token = len(layer_ids) * info.hidden_size * itemsize + 9  # + int64 id + uint8 mask
+    need = int(todo.lengths.sum()) * per_token + len(todo) * 4096
+    free = shutil.disk_usage(root).free
+    if need > free:
+        raise PreflightError(
+            f"output.dir={str(root)!r}: {len(todo)} samples need about {need / 1e9:.2f} GB "
+            f"({int(todo.lengths.sum())} tokens x {len(layer_ids)} layers x hidden "
+            f"{info.hidden_size} x {itemsize} bytes), only {free / 1e9:.2f} GB free; free "
+            "space, set output.dir elsewhere, or lower dataset.max_samples"
+        )
+    write_run_json(root, ident)
+    index, count = int(cfg.shard.index), int(cfg.shard.count)
+    stale = clean_stale_temps(root, owned=lambda i: i % count == index)
+    return Plan(
+        cfg=cfg, resolved=resolved, root=root, info=info, layer_ids=layer_ids, ident=ident,
+        mine=mine, todo=todo, resumed=len(mine) - len(todo), stale_temps=stale,
+        preflight_s=time.perf_counter() - t0,
+    )
+
+
+def token_frequencies(data: Tokenized) -> dict[str, Any]:
+    """Counts of each token id over all tokens and over loss-masked tokens.
+
+    For the draft vocabulary mapping (speculators' `build_vocab_mappings_from_
+    distribution` takes `{int(k): v for k, v in freq["loss"].items()}`).
+    """
+    def counts(ids: np.ndarray) -> dict[str, int]:
+        c = np.bincount(ids) if len(ids) else np.zeros(0, dtype=np.int64)
+        nz = np.flatnonzero(c)
+        return {str(int(i)): int(c[i]) for i in nz}
+
+    loss_ids = data.ids[data.mask.astype(bool)]
+    return {
+        "samples": len(data),
+        "tokens": int(len(data.ids)),
+        "loss_tokens": int(len(loss_ids)),
+        "loss": counts(loss_ids),
+        "all": counts(data.ids),
+    }
+
+
+def _layout(cfg: Any) -> str:
+    ext = EXTENSIONS[str(cfg.output.format)]
+    return f"data/{{index // {int(cfg.output.files_per_dir)}:05d}}/{{index:09d}}{ext}"
+
+
+def extract(cfg: Any) -> dict[str, Any]:
+    """Run one job; return the final manifest."""
+    t_start = time.perf_counter()
+    plan = preflight(cfg)
+    root, mine, todo = plan.root, plan.mine, plan.todo
+    shard_i, shard_n = int(cfg.shard.index), int(cfg.shard.count)
+    fmt, per_dir = str(cfg.output.format), int(cfg.output.files_per_dir)
+    manifest_path = root / manifest_name(shard_i, shard_n)
+    manifest = base_manifest(plan.resolved, plan.ident, plan.info, plan.layer_ids, _layout(cfg))
+    manifest["shard"] = {"index": shard_i, "count": shard_n}
+    manifest["data"] = mine.report
+    log.info(
+        "preflight ok in %.1fs: %d samples for this shard (%d tokens), %d already done, "
+        "%d to do; layers %s; output %s",
+        plan.preflight_s, len(mine), int(mine.lengths.sum()), plan.resumed, len(todo),
+        plan.layer_ids, root,
+    )
+    if plan.stale_temps:
+        log.info("removed %d stale temp files from an interrupted run", plan.stale_temps)
+
+    timings: dict[str, float] = {"preflight_s": round(plan.preflight_s, 3)}
+    engine = writer = progress = None
+    status = "failed"
+
+    def snapshot(state: str) -> None:
+        done_now = writer.written if writer else 0
+        manifest["status"] = state
+        manifest["updated"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+        manifest["progress"] = {"done_at_start": plan.resumed, "written_this_run": done_now,
+                                "to_do_at_start": len(todo)}
+        manifest["timings"] = timings
+        write_json_atomic(manifest_path, manifest)
+
+    snapshot("running")
+    try:
+        if len(todo):
+            from .engine import build_engine
+
+            t = time.perf_counter()
+            engine = build_engine(cfg, plan.info, plan.layer_ids)
+            timings["engine_start_s"] = round(time.perf_counter() - t, 3)
+            manifest["engine"] = {"name": str(cfg.engine.name),
+                                  "describe": getattr(engine, "describe", None)}
+            budget = int(cfg.engine.token_budget)
+            budget = min(budget, int(getattr(engine, "max_batch_tokens", budget) or budget))
+            batches = plan_batches(todo.lengths, budget, int(cfg.engine.max_num_seqs))
+            progress = Progress(len(todo), int(todo.lengths.sum()))
+            writer = Writer(
+                root, fmt, per_dir, plan.layer_ids, plan.info.hidden_size, plan.info.dtype,
+                plan.ident["run_id"], threads=int(cfg.output.writer_threads),
+                max_pending=int(cfg.engine.host_buffers), on_sample=progress.on_sample,
+            )
+            t = time.perf_counter()
+            engine_s = 0.0
+            last = time.monotonic()
+            for batch in iter_batches(todo, batches):
+                eb = engine.extract(batch)
+                engine_s += eb.seconds
+                writer.submit(eb)
+                if time.monotonic() - last > MANIFEST_EVERY_S:
+                    last = time.monotonic()
+                    snapshot("running")
+            writer.close()
+            timings["extract_s"] = round(time.perf_counter() - t, 3)
+            timings["engine_s"] = round(engine_s, 3)
+        status = "complete"
+    finally:
+        if writer is not None:
+            try:
+                writer.close()  # write what was extracted; no-op after a clean close
+            except Exception as e:  # noqa: BLE001 - the original error is on its way out
+                if status == "complete":
+                    raise
+                log.error("writer: %s", e)
+        if progress is not None:
+            progress.close()
+        if engine is not None:
+            engine.close()
+        if status != "complete":
+            snapshot("failed")
+
+    done = finished_indices(root, fmt)
+    missing = [int(i) for i in mine.indices if int(i) not in done]
+    if missing:
+        snapshot("failed")
+        raise RuntimeError(f"{len(missing)} samples have no file after the run: {missing[:10]}")
+    freq_path = root / manifest_name(shard_i, shard_n, "token_freq")
+    write_json_atomic(freq_path, token_frequencies(mine))
+
+    written = writer.written if writer else 0
+    tokens_run = writer.tokens if writer else 0
+    timings["total_s"] = round(time.perf_counter() - t_start, 3)
+    if timings.get("extract_s"):
+        timings["tokens_per_s"] = round(tokens_run / timings["extract_s"], 1)
+    manifest["counts"] = {
+        "samples": len(mine),
+        "written": len(mine),
+        "written_this_run": written,
+        "resumed": plan.resumed,
+        "skipped": mine.report["skipped"],
+        "skipped_total": mine.report["skipped_total"],
+        "truncated": int(mine.truncated.sum()),
+    }
+    manifest["tokens"] = {"total": int(mine.lengths.sum()),
+                          "loss": int(mine.mask.sum()), "this_run": tokens_run}
+    manifest["bytes"] = {
+        "data": file_bytes(root, mine.indices.tolist(), per_dir, fmt),
+        "this_run": writer.bytes if writer else 0,
+    }
+    manifest["token_freq"] = freq_path.name
+    manifest["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+    snapshot("complete")
+    _summary(manifest, root)
+    return manifest
+
+
+def _summary(m: dict[str, Any], root: Path) -> None:
+    c, t = m["counts"], m["timings"]
+    skipped = {k: v for k, v in c["skipped"].items() if v}
+    log.info(
+        "done: %d samples in %s (%d written now, %d from before), %d tokens, %.3f GB; "
+        "skipped %d%s; truncated %d; %s tok/s; total %.1fs",
+        c["samples"], root, c["written_this_run"], c["resumed"], m["tokens"]["total"],
+        m["bytes"]["data"] / 1e9, c["skipped_total"], f" {skipped}" if skipped else "",
+        c["truncated"],
+        t.get("tokens_per_s", "-"), t["total_s"],
+    )
+
+
+def _task(cfg: DictConfig) -> None:
+    try:
+        extract(cfg)
+    except PreflightError as e:
+        log.error("preflight: %s", e)
+        print(f"eagle3-extract: error: {e}", file=sys.stderr, flush=True)
+        sys.exit(2)
+
+
+def extract_main() -> None:
+    """Console script `eagle3-extract` (Hydra: overrides, -m sweeps, --cfg job, ...)."""
+    import hydra
+
+    hydra.main(config_path=str(conf_dir()), config_name="config", version_base="1.3")(_task)()
+
+
+if __name__ == "__main__":
+    extract_main()

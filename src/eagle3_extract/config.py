@@ -1,0 +1,229 @@
+"""Structured configs for the Hydra job, and the checks Hydra cannot express.
+
+The dataclasses are registered in Hydra's ConfigStore as the schema of the root
+config (`conf/config.yaml` lists `eagle3_schema` first in its defaults), so a
+misspelt key or a wrong type in any group file or command-line override fails
+at startup, naming the key, before anything slow happens. `validate()` adds the
+value checks (allowed choices, ranges) with messages that name the key to change.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, List, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, OmegaConf
+
+ASSETS = Path(__file__).resolve().parent / "assets"
+
+OVERLONG_POLICIES = ("truncate", "skip")
+OUTPUT_FORMATS = ("safetensors", "speculators_pt")
+ENGINES = ("vllm", "hf")
+DATASET_FORMATS = ("auto", "jsonl", "json", "parquet", "hub")
+
+
+class PreflightError(Exception):
+    """A problem found before the engine starts; the message names the key to change."""
+
+
+class ConfigError(PreflightError):
+    """A config value is out of range or not one of the allowed choices."""
+
+
+@dataclass
+class ModelConfig:
+    name: str = MISSING
+    path: str = MISSING  # local dir, hub id, or "tiny" (the embedded random model)
+    tokenizer: Optional[str] = None  # default: model.path
+    trust_remote_code: bool = False
+    dtype: str = "bfloat16"
+    max_model_len: int = 4096
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    gpu_memory_utilization: float = 0.85
+    quantization: Optional[str] = None
+    tiny_config: Optional[str] = None  # only for path: tiny (a name in assets/tiny or a path)
+
+
+@dataclass
+class LayersConfig:
+    name: str = MISSING
+    # vLLM / EAGLE-3 convention; null -> [2, N//2, N-3, N] from the model's layer count.
+    # MISSING here (not None) so that `layers=explicit` without ids fails instead of
+    # silently falling back to the default set.
+    ids: Optional[List[int]] = MISSING
+
+
+@dataclass
+class DatasetConfig:
+    name: str = MISSING
+    path: str = MISSING  # .jsonl/.json/.parquet file, or a hub dataset id
+    split: str = "train"
+    hub_config: Optional[str] = None
+    data_files: Optional[str] = None
+    format: str = "auto"
+    max_samples: Optional[int] = None
+    seed: int = 0
+    shuffle: bool = True
+    max_length: Optional[int] = None  # default: model.max_model_len - 1
+    overlong: str = "truncate"
+
+
+@dataclass
+class OutputConfig:
+    name: str = MISSING
+    dir: str = MISSING
+    format: str = "safetensors"
+    files_per_dir: int = 10000
+    writer_threads: int = 2
+
+
+@dataclass
+class EngineConfig:
+    name: str = MISSING
+    token_budget: int = 8192
+    max_num_seqs: int = 64
+    host_buffers: int = 3
+    enforce_eager: bool = True
+    device: str = "auto"
+    distributed_executor_backend: str = "mp"
+
+
+@dataclass
+class ShardConfig:
+    index: int = 0
+    count: int = 1
+
+
+@dataclass
+class ParallelConfig:
+    data_parallel_size: int = 1
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    layers: LayersConfig = field(default_factory=LayersConfig)
+    dataset: DatasetConfig = field(default_factory=DatasetConfig)
+    output: OutputConfig = field(default_factory=OutputConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    shard: ShardConfig = field(default_factory=ShardConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+
+
+def conf_dir() -> Path:
+    """The Hydra config directory: `conf/` at the repo root, or $EAGLE3_CONF_DIR."""
+    env = os.environ.get("EAGLE3_CONF_DIR")
+    return Path(env).resolve() if env else Path(__file__).resolve().parents[2] / "conf"
+
+
+# --- resolvers used by conf/*.yaml ---------------------------------------------------
+
+
+def _asset(rel: str) -> str:
+    return str(ASSETS / rel)
+
+
+def _abspath(p: str) -> str:
+    return os.path.abspath(os.path.expanduser(str(p)))
+
+
+def _logdir(out_dir: str) -> str:
+    """`<output.dir>/logs`, or a temp dir when that cannot be created.
+
+    Hydra creates its run dir before the job starts; an unwritable output.dir must
+    reach the job's preflight (clear message, exit 2), not crash Hydra first.
+    """
+    want = Path(_abspath(out_dir)) / "logs"
+    try:
+        want.mkdir(parents=True, exist_ok=True)
+        if os.access(want, os.W_OK):
+            return str(want)
+    except OSError:
+        pass
+    return str(Path(tempfile.gettempdir()) / "eagle3-extract-logs")
+
+
+def _join(ids: Any) -> str:
+    return "-".join(str(i) for i in ids) if ids is not None else "none"
+
+
+def _basename(p: str) -> str:
+    """A short, path-safe name for a model or dataset path (for the output dir)."""
+    p = str(p).rstrip("/")
+    name = p.rsplit("/", 1)[-1]
+    name = re.sub(r"\.(jsonl|json|parquet)$", "", name)
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", name) or "unnamed"
+
+
+def register() -> None:
+    """Register the schema and the `eagle3.*` resolvers (idempotent)."""
+    for name, fn in (
+        ("eagle3.asset", _asset),
+        ("eagle3.abspath", _abspath),
+        ("eagle3.logdir", _logdir),
+        ("eagle3.join", _join),
+        ("eagle3.basename", _basename),
+    ):
+        if not OmegaConf.has_resolver(name):
+            OmegaConf.register_new_resolver(name, fn)
+    ConfigStore.instance().store(name="eagle3_schema", node=Config)
+
+
+register()
+
+
+# --- value checks ----------------------------------------------------------------------
+
+
+def _choice(key: str, value: Any, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ConfigError(f"{key}={value!r} is not one of {list(allowed)}")
+
+
+def _positive(key: str, value: Any, minimum: int = 1) -> None:
+    if value is None or value < minimum:
+        raise ConfigError(f"{key}={value!r} must be >= {minimum}")
+
+
+def validate(cfg: Any) -> None:
+    """Value checks that the schema's types cannot express. Raises ConfigError."""
+    _choice("dataset.overlong", cfg.dataset.overlong, OVERLONG_POLICIES)
+    _choice("dataset.format", cfg.dataset.format, DATASET_FORMATS)
+    _choice("output.format", cfg.output.format, OUTPUT_FORMATS)
+    _choice("engine.name", cfg.engine.name, ENGINES)
+    _positive("model.max_model_len", cfg.model.max_model_len, 2)
+    _positive("engine.token_budget", cfg.engine.token_budget)
+    _positive("engine.max_num_seqs", cfg.engine.max_num_seqs)
+    _positive("engine.host_buffers", cfg.engine.host_buffers)
+    _positive("output.files_per_dir", cfg.output.files_per_dir)
+    _positive("output.writer_threads", cfg.output.writer_threads)
+    _positive("shard.count", cfg.shard.count)
+    if cfg.dataset.max_samples is not None:
+        _positive("dataset.max_samples", cfg.dataset.max_samples)
+    if not 0 <= cfg.shard.index < cfg.shard.count:
+        raise ConfigError(
+            f"shard.index={cfg.shard.index} must be in 0..shard.count-1 "
+            f"(shard.count={cfg.shard.count})"
+        )
+    if cfg.dataset.max_length is not None:
+        limit = cfg.model.max_model_len - 1
+        if not 1 <= cfg.dataset.max_length <= limit:
+            raise ConfigError(
+                f"dataset.max_length={cfg.dataset.max_length} must be in 1..{limit} "
+                f"(model.max_model_len - 1: vLLM needs len(prompt) + 1 <= max_model_len)"
+            )
+    if not str(cfg.output.dir).strip():
+        raise ConfigError("output.dir is empty")
+
+
+def max_length(cfg: Any) -> int:
+    """Longest sample kept whole: dataset.max_length, default model.max_model_len - 1."""
+    if cfg.dataset.max_length is not None:
+        return int(cfg.dataset.max_length)
+    return int(cfg.model.max_model_len) - 1

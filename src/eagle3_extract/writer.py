@@ -1,0 +1,271 @@
+"""Per-sample files, written atomically on writer threads while the engine runs.
+
+Only this module touches `output.dir/data`. A file appears under its final name
+only when complete (temp name in the same directory, fsync, `os.replace`), so
+"the final file exists" is what "done" means for resume, and a SIGKILL at any
+moment leaves at most stale temp files, which the next run deletes.
+
+Temp names start with "." and end in "-<pid>": never `*.safetensors` or `*pt`
+(speculators' loader takes every file whose name ends in "pt" for a sample).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import re
+import threading
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+import torch
+
+from .types import ExtractedBatch, Sample
+
+EXTENSIONS = {"safetensors": ".safetensors", "speculators_pt": ".pt"}
+DATA_DIR = "data"
+_TEMP = re.compile(r"^\.(\d+)\.(safetensors|pt)\.tmp-\d+$")
+
+
+class WriterError(RuntimeError):
+    """A sample could not be written, or broke an invariant; the job must stop."""
+
+
+def sample_path(root: Path, index: int, files_per_dir: int, fmt: str) -> Path:
+    """`data/<index // files_per_dir:05d>/<index:09d><ext>` under `root`."""
+    return root / DATA_DIR / f"{index // files_per_dir:05d}" / f"{index:09d}{EXTENSIONS[fmt]}"
+
+
+def finished_indices(root: Path, fmt: str) -> set[int]:
+    """Indices whose final file exists (written completely, by construction)."""
+    ext = EXTENSIONS[fmt]
+    done: set[int] = set()
+    data = root / DATA_DIR
+    if not data.is_dir():
+        return done
+    for sub in data.iterdir():
+        if not sub.is_dir():
+            continue
+        for entry in os.scandir(sub):
+            name = entry.name
+            if name.endswith(ext) and name[: -len(ext)].isdigit():
+                done.add(int(name[: -len(ext)]))
+    return done
+
+
+def clean_stale_temps(root: Path, owned: Callable[[int], bool] = lambda i: True) -> int:
+    """Delete temp files left by a killed run, for the indices this job owns.
+
+    `owned` keeps a shard from deleting another live shard's temp files when
+    several shards write into one directory.
+    """
+    removed = 0
+    data = root / DATA_DIR
+    if not data.is_dir():
+        return 0
+    for sub in data.iterdir():
+        if not sub.is_dir():
+            continue
+        for entry in os.scandir(sub):
+            m = _TEMP.match(entry.name)
+            if m and owned(int(m.group(1))):
+                os.unlink(entry.path)
+                removed += 1
+    return removed
+
+
+def _fsync_replace(tmp: Path, final: Path) -> None:
+    fd = os.open(tmp, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, final)
+
+
+def check_invariants(sample: Sample, states: torch.Tensor, num_layers: int, hidden: int,
+                     dtype: torch.dtype) -> None:
+    """Rows == tokens, [T, L, H], the model dtype, all finite: checked before any write."""
+    want = (len(sample), num_layers, hidden)
+    if tuple(states.shape) != want:
+        raise WriterError(f"sample {sample.index}: states {tuple(states.shape)}, expected {want}")
+    if states.dtype != dtype:
+        raise WriterError(f"sample {sample.index}: states dtype {states.dtype}, expected {dtype}")
+    if len(sample.loss_mask) != len(sample.input_ids):
+        raise WriterError(f"sample {sample.index}: loss_mask and input_ids lengths differ")
+    if not bool(torch.isfinite(states).all()):
+        raise WriterError(f"sample {sample.index}: NaN or Inf in the hidden states")
+
+
+def write_sample(path: Path, sample: Sample, states: torch.Tensor, fmt: str,
+                 layer_ids: list[int], run_id: str) -> int:
+    """Write one sample atomically; return its size in bytes."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    input_ids = torch.tensor(sample.input_ids, dtype=torch.int64)
+    if fmt == "safetensors":
+        from safetensors.torch import save_file
+
+        save_file(
+            {
+                "input_ids": input_ids,
+                "loss_mask": torch.tensor(sample.loss_mask, dtype=torch.uint8),
+                "hidden_states": states.contiguous(),
+            },
+            str(tmp),
+            metadata={
+                "sample_index": str(sample.index),
+                "layer_ids": json.dumps(list(layer_ids)),
+                "run_id": run_id,
+                "truncated": json.dumps(bool(sample.truncated)),
+            },
+        )
+    elif fmt == "speculators_pt":
+        # speculators 0.3.0 v1 layout. clone(): torch.save stores a view's whole
+        # storage, which here is the engine's shared host buffer.
+        torch.save(
+            {
+                "input_ids": input_ids,
+                "loss_mask": torch.tensor(sample.loss_mask, dtype=torch.int64),
+                "hidden_states": [states[:, j, :].clone() for j in range(states.shape[1])],
+            },
+            tmp,
+        )
+    else:
+        raise WriterError(f"output.format={fmt!r} is not one of {sorted(EXTENSIONS)}")
+    _fsync_replace(tmp, path)
+    return path.stat().st_size
+
+
+class _Pending:
+    """One batch in flight: its samples are written by any thread; the last releases it."""
+
+    def __init__(self, eb: ExtractedBatch):
+        self.eb = eb
+        self.left = len(eb.samples)
+        self.lock = threading.Lock()
+
+    def finish_one(self) -> bool:
+        with self.lock:
+            self.left -= 1
+            return self.left == 0
+
+
+class Writer:
+    """Writer threads fed from the main loop; at most `max_pending` batches in flight.
+
+    `submit()` blocks while `max_pending` batches are unwritten (bounded memory)
+    and re-raises the first writer error in the main thread. Each batch's
+    `release()` is called exactly once, after all its samples are written (or
+    failed). `on_sample(sample, nbytes)` is called after each file lands.
+    """
+
+    def __init__(self, root: Path, fmt: str, files_per_dir: int, layer_ids: list[int],
+                 hidden_size: int, dtype: torch.dtype, run_id: str, threads: int = 2,
+                 max_pending: int = 2,
+                 on_sample: Callable[[Sample, int], None] | None = None):
+        if fmt not in EXTENSIONS:
+            raise WriterError(f"output.format={fmt!r} is not one of {sorted(EXTENSIONS)}")
+        self.root, self.fmt, self.files_per_dir = Path(root), fmt, files_per_dir
+        self.layer_ids, self.hidden_size, self.dtype = list(layer_ids), hidden_size, dtype
+        self.run_id = run_id
+        self.on_sample = on_sample
+        self.written = 0
+        self.bytes = 0
+        self.tokens = 0
+        self._lock = threading.Lock()
+        self._error: BaseException | None = None
+        self._slots = threading.Semaphore(max(1, max_pending))
+        self._tasks: queue.Queue = queue.Queue()
+        self._threads = [
+            threading.Thread(target=self._work, name=f"eagle3-writer-{i}", daemon=True)
+            for i in range(max(1, threads))
+        ]
+        for t in self._threads:
+            t.start()
+        self._closed = False
+
+    def path(self, index: int) -> Path:
+        return sample_path(self.root, index, self.files_per_dir, self.fmt)
+
+    def raise_if_failed(self) -> None:
+        if self._error is not None:
+            err = self._error
+            if isinstance(err, WriterError):
+                raise err
+            raise WriterError(f"writer thread failed: {type(err).__name__}: {err}") from err
+
+    def submit(self, eb: ExtractedBatch) -> None:
+        if len(eb.states) != len(eb.samples):
+            eb.release()
+            raise WriterError(f"{len(eb.states)} states for {len(eb.samples)} samples")
+        while not self._slots.acquire(timeout=0.2):
+            self.raise_if_failed()
+        try:
+            self.raise_if_failed()
+        except BaseException:
+            self._slots.release()
+            eb.release()
+            raise
+        if not eb.samples:
+            eb.release()
+            self._slots.release()
+            return
+        pending = _Pending(eb)
+        for i in range(len(eb.samples)):
+            self._tasks.put((pending, i))
+
+    def _work(self) -> None:
+        while True:
+            item = self._tasks.get()
+            if item is None:
+                return
+            pending, i = item
+            sample, states = pending.eb.samples[i], pending.eb.states[i]
+            try:
+                if self._error is None:
+                    check_invariants(sample, states, len(self.layer_ids), self.hidden_size,
+                                     self.dtype)
+                    n = write_sample(self.path(sample.index), sample, states, self.fmt,
+                                     self.layer_ids, self.run_id)
+                    with self._lock:
+                        self.written += 1
+                        self.bytes += n
+                        self.tokens += len(sample)
+                    if self.on_sample is not None:
+                        self.on_sample(sample, n)
+            except BaseException as e:  # noqa: BLE001 - handed to the main thread
+                with self._lock:
+                    if self._error is None:
+                        self._error = e
+            finally:
+                if pending.finish_one():
+                    try:
+                        pending.eb.release()
+                    except BaseException as e:  # noqa: BLE001
+                        with self._lock:
+                            if self._error is None:
+                                self._error = e
+                    self._slots.release()
+
+    def close(self) -> None:
+        """Write everything submitted, stop the threads, re-raise the first error."""
+        if not self._closed:
+            self._closed = True
+            for _ in self._threads:
+                self._tasks.put(None)
+            for t in self._threads:
+                t.join()
+        self.raise_if_failed()
+
+
+def file_bytes(root: Path, indices: Iterable[int], files_per_dir: int, fmt: str) -> int:
+    """Total size of the final files of `indices` (missing files count 0)."""
+    total = 0
+    for i in indices:
+        try:
+            total += sample_path(root, i, files_per_dir, fmt).stat().st_size
+        except FileNotFoundError:
+            pass
+    return total
