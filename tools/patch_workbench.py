@@ -53,8 +53,10 @@ def header(name: str) -> str:
     if not path.exists():
         return f"{name}\n\n"
     text = path.read_text()
-    cut = min(i for i in (text.find("\ndiff --git"), text.find("\n--- a/")) if i >= 0)
-    return text[: cut + 1]
+    cuts = [i for i in (text.find("\ndiff --git"), text.find("\n--- a/")) if i >= 0]
+    if not cuts:  # a header-only file written by hand for a new commit
+        return text.rstrip("\n") + "\n\n"
+    return text[: min(cuts) + 1]
 
 
 def export(repo: Path) -> None:
@@ -62,8 +64,8 @@ def export(repo: Path) -> None:
     names = []
     for line in commits:
         sha, name = line.split(" ", 1)
-        diff = git(repo, "diff", "--no-color", "--no-prefix" if False else "--src-prefix=a/",
-                   "--dst-prefix=b/", f"{sha}~1", sha)
+        diff = git(repo, "diff", "--no-color", "--src-prefix=a/", "--dst-prefix=b/",
+                   f"{sha}~1", sha)
         (PATCHES / name).write_text(header(name) + diff)
         names.append(name)
     (PATCHES / "series").write_text(

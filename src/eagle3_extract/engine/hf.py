@@ -49,6 +49,20 @@ class HFEngine:
         self._captured[column] = state[0]  # batch of one: [T, H]
 
     @torch.inference_mode()
+    def prefill(self, batch: Batch) -> None:
+        """The same forwards with the hooks detached (benchmark baseline)."""
+        for h in self._hooks:
+            h.remove()
+        try:
+            for sample in batch.samples:
+                ids = torch.tensor([sample.input_ids], device=self.device)
+                self.model.get_decoder()(input_ids=ids, use_cache=False)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize()
+        finally:
+            self._hooks = attach_capture(self.layers, self.layer_ids, self._sink)
+
+    @torch.inference_mode()
     def extract(self, batch: Batch) -> ExtractedBatch:
         t0 = time.perf_counter()
         states = []

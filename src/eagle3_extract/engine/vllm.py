@@ -98,6 +98,10 @@ class VllmEngine:
     def max_batch_tokens(self) -> int:
         return self.generator.max_tokens_per_call
 
+    def prefill(self, batch: Batch) -> None:
+        """The same scheduler steps with capture off (benchmark baseline)."""
+        self.generator.prefill([s.input_ids for s in batch.samples])
+
     def extract(self, batch: Batch) -> ExtractedBatch:
         t0 = time.perf_counter()
         host = self.generator.generate_to_host([s.input_ids for s in batch.samples])
