@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import shutil
 import sys
 import time
@@ -19,7 +20,7 @@ from typing import Any
 
 import numpy as np
 from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
+from omegaconf.errors import OmegaConfBaseException
 
 from . import config as config_mod
 from .batching import iter_batches, plan_batches, shard_mask, todo_mask
@@ -66,14 +67,16 @@ class Plan:
 def _resolve(cfg: Any) -> dict[str, Any]:
     try:
         return OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
-    except MissingMandatoryValue as e:
-        key = getattr(e, "full_key", None) or "a key"
-        raise config_mod.ConfigError(
-            f"{key} is missing: set it on the command line (e.g. layers=explicit "
-            "layers.ids=[1,3,5], dataset=local dataset.path=/data/chats.jsonl)"
-        ) from e
     except OmegaConfBaseException as e:
-        raise config_mod.ConfigError(f"config error: {e}") from e
+        msg = str(e).splitlines()[0]
+        missing = re.search(r"Missing mandatory value: (\S+)", msg)
+        if missing:
+            key = missing.group(1) if "." in missing.group(1) else (e.full_key or missing.group(1))
+            raise config_mod.ConfigError(
+                f"{key} is missing: set it on the command line (e.g. "
+                "layers=explicit layers.ids=[1,3,5]; dataset=local dataset.path=/data/x.jsonl)"
+            ) from e
+        raise config_mod.ConfigError(f"config error: {msg}") from e
 
 
 def _check_writable(root: Path) -> None:

@@ -296,16 +296,28 @@ class Renderer:
             for s, e in spans:
                 mask[(starts >= s) & (starts < e)] = 1
             return ids, mask.tolist()
-        # Slow tokenizers have no offsets: count tokens of each prefix, and insist that
-        # the prefix tokenizes to a prefix of the whole (else the boundary is inexact).
+        # Slow tokenizers have no offsets: tokenize each prefix. Its last pre-token can
+        # merge differently at the end of a string ("\n\n" vs "\n", "\n" before text), so
+        # after the common prefix, take the tokens of the whole whose text is exactly the
+        # prefix's remaining text; if there are none, the boundary is inside a token.
         ids = self.tok(full, add_special_tokens=False)["input_ids"]
         mask = [0] * len(ids)
 
         def boundary(pos: int) -> int:
             head = self.tok(full[:pos], add_special_tokens=False)["input_ids"]
-            if ids[: len(head)] != head:
-                raise SkipRow("mask_alignment", f"char {pos} is not a token boundary")
-            return len(head)
+            k = 0
+            while k < min(len(head), len(ids)) and head[k] == ids[k]:
+                k += 1
+            if k == len(head):
+                return k
+            want = self.tok.decode(head[k:])
+            for m in range(1, len(ids) - k + 1):
+                got = self.tok.decode(ids[k : k + m])
+                if got == want:
+                    return k + m
+                if len(got) > len(want):
+                    break
+            raise SkipRow("mask_alignment", f"char {pos} is not a token boundary")
 
         for s, e in spans:
             a, b = boundary(s), boundary(e)

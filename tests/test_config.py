@@ -1,0 +1,117 @@
+"""Hydra config: groups compose, the schema rejects typos and wrong types, values checked."""
+
+from __future__ import annotations
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.errors import ConfigCompositionException, MissingConfigException
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from eagle3_extract.config import ASSETS, ConfigError, conf_dir, max_length, validate
+
+
+def cfg_for(*overrides: str, hydra: bool = False):
+    with initialize_config_dir(str(conf_dir()), version_base="1.3"):
+        return compose("config", overrides=list(overrides), return_hydra_config=hydra)
+
+
+def test_defaults(monkeypatch):
+    monkeypatch.delenv("EAGLE3_OUTPUT_ROOT", raising=False)
+    c = cfg_for()
+    assert (c.model.name, c.model.path, c.model.tiny_config) == ("tiny", "tiny", "llama")
+    assert (c.layers.name, c.layers.ids) == ("eagle3", None)
+    assert c.dataset.name == "sample"
+    assert c.dataset.path == str(ASSETS / "sample" / "conversations.jsonl")
+    assert (c.output.format, c.output.files_per_dir) == ("safetensors", 10000)
+    assert c.engine.name == "vllm"
+    assert c.output.dir == "outputs/tiny/sample/eagle3"
+    assert max_length(c) == c.model.max_model_len - 1
+    validate(c)
+
+
+@pytest.mark.parametrize("group,option,check", [
+    ("model", "kimi_k25_int4", lambda c: c.model.path == "moonshotai/Kimi-K2.5"
+     and c.model.tensor_parallel_size == 8 and c.model.trust_remote_code is True),
+    ("model", "llama3_1_8b", lambda c: c.model.path == "meta-llama/Llama-3.1-8B-Instruct"),
+    ("model", "qwen3_8b", lambda c: c.model.path == "Qwen/Qwen3-8B"),
+    ("dataset", "sharegpt", lambda c: c.dataset.path == "anon8231489123/ShareGPT_Vicuna_unfiltered"
+     and c.dataset.data_files == "ShareGPT_V3_unfiltered_cleaned_split.json"),
+    ("dataset", "ultrachat", lambda c: c.dataset.path == "HuggingFaceH4/ultrachat_200k"
+     and c.dataset.split == "train_sft"),
+    ("output", "speculators_pt", lambda c: c.output.format == "speculators_pt"
+     and not c.output.dir.endswith("pt")),
+    ("engine", "hf", lambda c: c.engine.name == "hf"),
+])
+def test_every_group_option_composes_and_validates(group, option, check):
+    c = cfg_for(f"{group}={option}")
+    assert check(c)
+    validate(c)
+    OmegaConf.to_container(c, resolve=True, throw_on_missing=True)
+
+
+def test_output_dir_follows_model_dataset_layers(monkeypatch, tmp_path):
+    monkeypatch.setenv("EAGLE3_OUTPUT_ROOT", str(tmp_path))
+    c = cfg_for("model=qwen3_8b", "layers=explicit", "layers.ids=[1,3,5]", "dataset=local",
+                "dataset.path=/data/My Chats.jsonl")
+    assert c.output.dir == f"{tmp_path}/qwen3_8b/local-My_Chats/ids1-3-5"
+    c = cfg_for("model.path=/models/Llama-3.1-8B", "output.dir=/x/y")
+    assert c.model.name == "Llama-3.1-8B" and c.output.dir == "/x/y"
+
+
+def test_hydra_run_and_sweep_dirs_live_under_output_dir(tmp_path):
+    c = cfg_for(f"output.dir={tmp_path}/out", hydra=True)
+    assert c.hydra.run.dir.startswith(f"{tmp_path}/out/logs/")
+    subdir = OmegaConf.to_container(c.hydra.sweep)["subdir"]  # job.num is set per job
+    assert subdir.startswith("${eagle3.logdir:${output.dir}}/")
+    assert c.hydra.job.chdir is False
+
+
+def test_typo_in_a_key_fails_naming_it():
+    with pytest.raises(ConfigCompositionException, match="model.pth"):
+        cfg_for("model.pth=/x")
+    with pytest.raises(ConfigCompositionException, match="dataset.max_sample"):
+        cfg_for("dataset.max_sample=3")
+
+
+def test_wrong_type_fails_naming_the_key():
+    with pytest.raises(ConfigCompositionException, match="dataset.max_samples"):
+        cfg_for("dataset.max_samples=many")
+    with pytest.raises(ConfigCompositionException, match="layers.ids"):
+        cfg_for("layers.ids=[1,x]")
+
+
+def test_unknown_group_option_lists_the_choices():
+    with pytest.raises(MissingConfigException, match="kimi_k25_int4"):
+        cfg_for("model=kimi")
+
+
+def test_explicit_layers_need_ids():
+    c = cfg_for("layers=explicit")
+    with pytest.raises(OmegaConfBaseException, match="layers.ids"):
+        OmegaConf.to_container(c, resolve=True, throw_on_missing=True)
+    assert cfg_for("layers=explicit", "layers.ids=[1,3]").layers.ids == [1, 3]
+
+
+@pytest.mark.parametrize("override,key", [
+    ("dataset.overlong=drop", "dataset.overlong"),
+    ("output.format=npz", "output.format"),
+    ("engine.name=sglang", "engine.name"),
+    ("dataset.max_length=2048", "dataset.max_length"),  # > model.max_model_len - 1
+    ("dataset.max_length=0", "dataset.max_length"),
+    ("shard.index=2", "shard.index"),
+    ("shard.count=0", "shard.count"),
+    ("engine.token_budget=0", "engine.token_budget"),
+    ("output.files_per_dir=0", "output.files_per_dir"),
+    ("dataset.max_samples=0", "dataset.max_samples"),
+])
+def test_value_checks_name_the_key(override, key):
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        validate(cfg_for(override))
+
+
+def test_conf_dir_env_override(monkeypatch, tmp_path):
+    monkeypatch.setenv("EAGLE3_CONF_DIR", str(tmp_path))
+    assert conf_dir() == tmp_path.resolve()
+    monkeypatch.delenv("EAGLE3_CONF_DIR")
+    assert (conf_dir() / "config.yaml").is_file()

@@ -1,0 +1,332 @@
+"""`eagle3-extract` end to end: real engines, the tiny model, the committed sample data.
+
+Module-scoped runs are shared between tests (engine starts are the cost):
+- `hf_run`: one subprocess run with engine=hf;
+- `vllm_multirun`: one `-m` sweep with engine=vllm over output=safetensors,speculators_pt
+  (two jobs, two engine starts in one process, two output dirs);
+- the SIGKILL test adds two more vLLM starts (killed run, resumed run).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from safetensors import safe_open
+
+from eagle3_extract.config import ASSETS, PreflightError, conf_dir
+
+BIN = Path(sys.executable).parent / "eagle3-extract"
+N = 12  # samples per run
+COMMON = [f"dataset.max_samples={N}", "model.max_model_len=1024", "engine.token_budget=1024"]
+# Small batches so the SIGKILL lands between files; uni executor: one process, fast start.
+VLLM = ["engine=vllm", "engine.max_num_seqs=2", "engine.distributed_executor_backend=uni"]
+
+
+def env(**extra: str) -> dict[str, str]:
+    e = {k: v for k, v in os.environ.items() if not k.startswith(("EAGLE3_", "HYDRA_"))}
+    e.update(VLLM_CPU_KVCACHE_SPACE="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
+    e.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0|1" if (os.cpu_count() or 1) >= 2 else "0")
+    e.update(extra)
+    return e
+
+
+def run_cli(*args: str, timeout: int = 600, **extra_env: str) -> subprocess.CompletedProcess:
+    return subprocess.run([str(BIN), *args], env=env(**extra_env), capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def compose_cfg(*overrides: str):
+    with initialize_config_dir(str(conf_dir()), version_base="1.3"):
+        return compose("config", overrides=list(overrides))
+
+
+def data_files(root: Path, ext: str = ".safetensors") -> dict[int, Path]:
+    return {int(p.name[: -len(ext)]): p for p in (root / "data").rglob(f"*{ext}")}
+
+
+def load_st(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    with safe_open(path, "pt") as f:
+        return {k: f.get_tensor(k) for k in f.keys()}, f.metadata()
+
+
+def expected_samples(*overrides: str):
+    """The data stage's samples for a config, computed independently of the job."""
+    from transformers import AutoTokenizer
+
+    from eagle3_extract.config import max_length
+    from eagle3_extract.data import build_dataset
+
+    cfg = compose_cfg(*overrides)
+    tok = AutoTokenizer.from_pretrained(str(ASSETS / "tokenizer"))
+    data = build_dataset(cfg.dataset, tok, max_length(cfg))
+    return {int(data.indices[j]): data.sample(j) for j in range(len(data))}
+
+
+@pytest.fixture(scope="module")
+def hf_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("hf") / "out"
+    t0 = time.time()
+    r = run_cli("engine=hf", f"output.dir={out}", *COMMON)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return out, r, time.time() - t0
+
+
+@pytest.fixture(scope="module")
+def vllm_multirun(tmp_path_factory):
+    root = tmp_path_factory.mktemp("vllm")
+    r = run_cli("-m", "output=safetensors,speculators_pt", *VLLM, *COMMON,
+                EAGLE3_OUTPUT_ROOT=str(root))
+    assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-3000:])
+    return root, r
+
+
+# --- engine=hf ----------------------------------------------------------------------
+
+
+def test_hf_end_to_end_files_manifest_token_freq(hf_run):
+    out, r, _ = hf_run
+    m = json.loads((out / "manifest.json").read_text())
+    assert m["status"] == "complete"
+    assert m["layer_ids"] == [2, 4, 5, 8]  # eagle3 default for the 8-layer tiny Llama
+    assert m["model"]["architecture"] == "LlamaForCausalLM" and m["model"]["num_layers"] == 8
+    assert m["model"]["config_sha256"] and m["model"]["dtype"] == "bfloat16"
+    assert set(m["versions"]) >= {"vllm", "torch", "transformers", "speculators",
+                                  "eagle3_extract"}
+    assert m["patches"] and m["patches"]["series"]  # the applied-patch manifest
+    assert m["config"]["output"]["dir"] == str(out)
+    c = m["counts"]
+    assert c["samples"] == c["written"] == c["written_this_run"] == N and c["resumed"] == 0
+    assert set(c["skipped"]) >= {"malformed_json", "no_assistant_turn", "overlong"}
+    for key in ("preflight_s", "engine_start_s", "extract_s", "total_s", "tokens_per_s"):
+        assert m["timings"][key] > 0
+    run = json.loads((out / "run.json").read_text())
+    assert run["run_id"] == m["run_id"]
+
+    files = data_files(out)
+    assert sorted(files) == list(range(N))  # sample dataset: every row usable
+    assert all(p.parent == out / "data" / "00000" for p in files.values())
+    want = expected_samples(*COMMON)
+    tokens = 0
+    for i, p in files.items():
+        t, meta = load_st(p)
+        s = want[i]
+        assert t["input_ids"].dtype == torch.int64 and t["input_ids"].tolist() == s.input_ids
+        assert t["loss_mask"].dtype == torch.uint8 and t["loss_mask"].tolist() == s.loss_mask
+        hs = t["hidden_states"]
+        assert hs.shape == (len(s), 4, 128) and hs.dtype == torch.bfloat16
+        assert torch.isfinite(hs).all()
+        # layers are distinct states, not one layer repeated
+        assert not torch.equal(hs[:, 0], hs[:, 1]) and not torch.equal(hs[:, 2], hs[:, 3])
+        assert meta["sample_index"] == str(i) and meta["run_id"] == m["run_id"]
+        assert json.loads(meta["layer_ids"]) == [2, 4, 5, 8]
+        tokens += len(s)
+    assert m["tokens"]["total"] == tokens
+    assert m["bytes"]["data"] == sum(p.stat().st_size for p in files.values())
+
+    freq = json.loads((out / "token_freq.json").read_text())
+    assert freq["tokens"] == sum(freq["all"].values()) == tokens
+    assert freq["loss_tokens"] == sum(freq["loss"].values()) == m["tokens"]["loss"]
+    first = want[0]
+    eot = str(first.input_ids[-1])
+    assert freq["loss"][eot] >= N  # each conversation ends with an assistant <|eot_id|>
+
+    # Hydra's logs live under output.dir, nothing in a stray ./outputs
+    logs = list((out / "logs").glob("*/extract.log"))
+    assert len(logs) == 1 and (logs[0].parent / ".hydra" / "config.yaml").is_file()
+    assert "done: 12 samples" in logs[0].read_text()
+    assert not [p for p in out.rglob("*") if p.name.endswith("pt")]
+
+
+def test_rerun_resumes_nothing_and_refuses_a_different_config(hf_run):
+    from eagle3_extract.cli import extract, preflight
+
+    out, _, _ = hf_run
+    before = {p: p.stat().st_mtime_ns for p in data_files(out).values()}
+    base = ["engine=hf", f"output.dir={out}", *COMMON]
+    for changed, what in [
+        (["layers=explicit", "layers.ids=[1,3]"], "layer_ids"),
+        (["dataset.seed=1"], "dataset.seed"),
+        (["dataset.max_length=500"], "dataset.max_length"),
+        (["output=speculators_pt"], "output.format"),
+        (["model.dtype=float32"], "model.dtype"),
+    ]:
+        with pytest.raises(PreflightError, match=rf"output.dir=.*different.*{what}"):
+            preflight(compose_cfg(*base, *changed, f"output.dir={out}"))
+    # performance knobs and the engine choice are not part of the identity
+    m = extract(compose_cfg(*base, "engine.token_budget=2048", "output.writer_threads=1",
+                            "engine.max_num_seqs=3"))
+    assert m["counts"]["written_this_run"] == 0 and m["counts"]["resumed"] == N
+    assert "engine_start_s" not in m["timings"]  # nothing to do: no engine started
+    assert {p: p.stat().st_mtime_ns for p in data_files(out).values()} == before
+
+
+@pytest.fixture
+def offline(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.delenv("EAGLE3_OUTPUT_ROOT", raising=False)
+
+
+def no_template_tokenizer(tmp_path: Path) -> Path:
+    d = tmp_path / "tok"
+    shutil.copytree(ASSETS / "tokenizer", d)
+    cfg = json.loads((d / "tokenizer_config.json").read_text())
+    del cfg["chat_template"]
+    (d / "tokenizer_config.json").write_text(json.dumps(cfg))
+    return d
+
+
+@pytest.mark.parametrize("case", [
+    "dataset_missing", "dataset_empty", "no_chat_template", "layer_out_of_range",
+    "layers_not_increasing", "output_not_writable", "token_budget", "model_path",
+    "config_value",
+])
+def test_preflight_errors_name_the_key(case, tmp_path, offline):
+    from eagle3_extract.cli import preflight
+
+    out = tmp_path / "out"
+    (tmp_path / "empty.jsonl").write_text("\n")
+    (tmp_path / "a_file").write_text("x")
+    overrides, match = {
+        "dataset_missing": (["dataset=local", f"dataset.path={tmp_path}/nope.jsonl"],
+                            r"dataset\.path=.*no such file"),
+        "dataset_empty": (["dataset=local", f"dataset.path={tmp_path}/empty.jsonl"],
+                          r"dataset\.path=.*no rows"),
+        "no_chat_template": ([f"model.tokenizer={no_template_tokenizer(tmp_path)}"],
+                             r"no chat template.*model\.tokenizer"),
+        "layer_out_of_range": (["layers=explicit", "layers.ids=[1,9]"],
+                               r"layers\.ids.*\[9\] out of range.*8 decoder layers"),
+        "layers_not_increasing": (["layers=explicit", "layers.ids=[3,2]"],
+                                  r"layers\.ids.*strictly increasing"),
+        "output_not_writable": ([f"output.dir={tmp_path}/a_file/sub"],
+                                r"output\.dir=.*not writable"),
+        "token_budget": (["engine.token_budget=100"], r"engine\.token_budget=100"),
+        "model_path": (["model.path=/nonexistent/model"], r"model\.path='/nonexistent/model'"),
+        "config_value": (["dataset.overlong=drop"], r"dataset\.overlong='drop'"),
+    }[case]
+    cfg = compose_cfg("engine=hf", f"output.dir={out}", *overrides)
+    with pytest.raises(PreflightError, match=match):
+        preflight(cfg)
+    assert not (out / "run.json").exists()
+
+
+def test_preflight_disk_space(tmp_path, offline):
+    from eagle3_extract.cli import preflight
+
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)],
+                       capture_output=True)
+    if r.returncode != 0:
+        pytest.skip("cannot mount a small tmpfs here (needs root)")
+    try:
+        with pytest.raises(PreflightError, match=r"output\.dir=.*need about.*GB free"):
+            preflight(compose_cfg("engine=hf", f"output.dir={mnt}/out"))
+    finally:
+        subprocess.run(["umount", str(mnt)], check=False)
+
+
+def test_preflight_failure_exits_2_fast_without_traceback(tmp_path):
+    t0 = time.time()
+    r = run_cli("engine=hf", f"output.dir={tmp_path}/out", "layers=explicit",
+                "layers.ids=[0,4]")
+    assert r.returncode == 2
+    assert "layers.ids" in r.stderr and "out of range" in r.stderr
+    assert "Traceback" not in r.stderr + r.stdout
+    assert time.time() - t0 < 90  # seconds, not an engine start (slow shared CI box)
+
+
+# --- engine=vllm ----------------------------------------------------------------------
+
+
+@pytest.mark.engine
+def test_vllm_multirun_two_jobs_own_dirs(vllm_multirun, hf_run):
+    from speculators.train.data import Eagle3SampleFileDataset
+
+    root, r = vllm_multirun
+    st = root / "tiny" / "sample" / "eagle3"
+    pt = root / "tiny" / "sample" / "eagle3-speculators"
+    for d in (st, pt):
+        m = json.loads((d / "manifest.json").read_text())
+        assert m["status"] == "complete" and m["counts"]["written_this_run"] == N
+        assert m["engine"]["name"] == "vllm" and m["config"]["output"]["dir"] == str(d)
+        assert len(list((d / "logs").glob("*/extract.log"))) == 1  # each job its own logs
+    assert sorted(data_files(st)) == list(range(N))
+    assert sorted(data_files(pt, ".pt")) == list(range(N))
+    # nothing but samples ends in "pt" under the speculators_pt dir
+    pt_like = [p for p in pt.rglob("*") if p.is_file() and p.name.endswith("pt")]
+    assert sorted(pt_like) == sorted(data_files(pt, ".pt").values())
+
+    # speculators 0.3.0's own loader reads the speculators_pt output
+    ds = Eagle3SampleFileDataset(max_len=1024, datapath=str(pt))
+    assert len(ds) == N
+    by_index = {int(Path(f).stem): k for k, f in enumerate(ds.data)}
+    for i, p in data_files(st).items():
+        t, _ = load_st(p)
+        item = ds[by_index[i]]
+        hs = t["hidden_states"]
+        assert item["input_ids"].tolist() == t["input_ids"][1:].tolist()
+        assert item["loss_mask"].tolist() == t["loss_mask"][1:].tolist()
+        # same engine, same data: the two formats hold identical states
+        assert torch.equal(item["verifier_last_hidden_states"], hs[1:, -1].float())
+        assert torch.equal(item["hidden_states"], hs[:-1, :-1].flatten(1).float())
+
+    # vLLM and the HF reference agree (bf16 tolerance): same layers, same order
+    hf_out = hf_run[0]
+    for i, p in data_files(st).items():
+        v, _ = load_st(p)
+        h, _ = load_st(data_files(hf_out)[i])
+        assert torch.equal(v["input_ids"], h["input_ids"])
+        a, b = v["hidden_states"].float(), h["hidden_states"].float()
+        rel = (a - b).norm(dim=-1) / b.norm(dim=-1)
+        assert rel.mean() < 0.03 and rel.max() < 0.1, (i, rel.max(dim=0).values)
+
+
+@pytest.mark.engine
+def test_vllm_sigkill_then_resume_gives_the_uninterrupted_result(vllm_multirun, tmp_path):
+    ref = data_files(vllm_multirun[0] / "tiny" / "sample" / "eagle3")
+    out = tmp_path / "killed"
+    args = [str(BIN), *VLLM, f"output.dir={out}", *COMMON]
+    with open(tmp_path / "first.log", "w") as log:
+        proc = subprocess.Popen(args, env=env(), stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        deadline = time.time() + 500
+        while len(data_files(out)) < 3:
+            assert proc.poll() is None, "run ended before it could be killed"
+            assert time.time() < deadline, "no files appeared"
+            time.sleep(0.02)
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    killed_with = sorted(data_files(out))
+    assert 3 <= len(killed_with) < N, killed_with
+    m = json.loads((out / "manifest.json").read_text())
+    assert m["status"] == "running"  # it never got to say otherwise
+    # a writer killed mid-file leaves a temp like this one; the rerun must remove it
+    todo = min(set(range(N)) - set(killed_with))
+    stale = out / "data" / "00000" / f".{todo:09d}.safetensors.tmp-999999"
+    stale.write_bytes(b"partial")
+
+    r = run_cli(*VLLM, f"output.dir={out}", *COMMON)
+    assert r.returncode == 0, r.stderr[-3000:]
+    m = json.loads((out / "manifest.json").read_text())
+    assert m["status"] == "complete"
+    assert m["counts"]["resumed"] == len(killed_with)
+    assert m["counts"]["written_this_run"] == N - len(killed_with)
+    got = data_files(out)
+    assert sorted(got) == sorted(ref) == list(range(N))
+    assert [p.name for p in out.rglob(".*") if p.parent.name != "logs"
+            and not p.name == ".hydra"] == []
+    for i in range(N):
+        a, ma = load_st(got[i])
+        b, mb = load_st(ref[i])
+        assert ma == mb
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
