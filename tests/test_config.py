@@ -55,6 +55,8 @@ def test_output_dir_follows_model_dataset_layers(monkeypatch, tmp_path):
     c = cfg_for("model=qwen3_8b", "layers=explicit", "layers.ids=[1,3,5]", "dataset=local",
                 "dataset.path=/data/My Chats.jsonl")
     assert c.output.dir == f"{tmp_path}/qwen3_8b/local-My_Chats/ids1-3-5"
+    c = cfg_for("layers.ids=[2,4]")  # default group, custom ids: the name says so
+    assert c.output.dir == f"{tmp_path}/tiny/sample/ids2-4"
     c = cfg_for("model.path=/models/Llama-3.1-8B", "output.dir=/x/y")
     assert c.model.name == "Llama-3.1-8B" and c.output.dir == "/x/y"
 

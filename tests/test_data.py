@@ -241,6 +241,20 @@ def test_seeded_order_identity(tok):
         assert small.sample(j) == big.sample(j)
 
 
+def test_parallel_tokenization_equals_serial(tok, tmp_path):
+    lines = [json.dumps(r) for r in read_rows(ds_cfg(SAMPLE))]
+    lines[3:3] = list(BAD_ROWS.values())  # skips land in several workers' spans
+    path = write_lines(tmp_path / "rows.jsonl", lines)
+    rows = read_rows(ds_cfg(path))
+    order = seeded_order(len(rows), 5, True, None)
+    r = Renderer(tok)
+    one = tokenize_rows(rows, order, r, 300, "truncate", num_proc=1)
+    two = tokenize_rows(rows, order, r, 300, "truncate", num_proc=2)
+    for k in ("indices", "offsets", "ids", "mask", "truncated"):
+        assert np.array_equal(getattr(one, k), getattr(two, k)), k
+    assert one.report == two.report and one.report["skipped_total"] == len(BAD_ROWS)
+
+
 def test_json_and_parquet_files(tok, tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -253,6 +267,20 @@ def test_json_and_parquet_files(tok, tmp_path):
         d = build_dataset(ds_cfg(tmp_path / name, shuffle=False), tok, 2047)
         assert len(d) == 6
         assert [d.sample(j) for j in range(6)] == [ref.sample(j) for j in range(6)]
+
+
+def test_datasets_loader_path(tok, tmp_path, monkeypatch):
+    """format=hub goes through `datasets.load_dataset` (here on a local dataset dir, the
+    same call a hub id takes; the hub itself is not reachable from the tests)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "cache"))
+    rows = read_rows(ds_cfg(SAMPLE))[:5]
+    (tmp_path / "repo" / "data").mkdir(parents=True)
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "repo" / "data" / "train-0.parquet")
+    got = read_rows(ds_cfg(tmp_path / "repo", format="hub", split="train"))
+    assert got == rows
 
 
 def test_unreadable_datasets_raise_preflight_errors(tok, tmp_path):

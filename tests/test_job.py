@@ -236,13 +236,32 @@ def test_preflight_disk_space(tmp_path, offline):
 
 
 def test_preflight_failure_exits_2_fast_without_traceback(tmp_path):
+    (tmp_path / "a_file").write_text("x")
     t0 = time.time()
-    r = run_cli("engine=hf", f"output.dir={tmp_path}/out", "layers=explicit",
-                "layers.ids=[0,4]")
-    assert r.returncode == 2
-    assert "layers.ids" in r.stderr and "out of range" in r.stderr
+    # an output.dir that cannot be created: Hydra's log dir must not crash first either
+    r = run_cli("engine=hf", f"output.dir={tmp_path}/a_file/out")
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert "output.dir=" in r.stderr and "not writable" in r.stderr
     assert "Traceback" not in r.stderr + r.stdout
     assert time.time() - t0 < 90  # seconds, not an engine start (slow shared CI box)
+
+
+def test_two_shards_share_one_directory(tmp_path, offline):
+    from eagle3_extract.cli import extract
+
+    out = tmp_path / "out"
+    base = ["engine=hf", f"output.dir={out}", "dataset.max_samples=5",
+            "model.max_model_len=1024", "engine.token_budget=1024", "shard.count=2"]
+    for i in (1, 0):
+        m = extract(compose_cfg(*base, f"shard.index={i}"))
+        assert m["counts"]["samples"] == m["counts"]["written_this_run"] == [3, 2][i]
+    assert sorted(data_files(out)) == [0, 1, 2, 3, 4]
+    for i, want in ((0, [0, 2, 4]), (1, [1, 3])):
+        m = json.loads((out / f"manifest.shard-0000{i}-of-00002.json").read_text())
+        assert m["status"] == "complete" and m["shard"] == {"index": i, "count": 2}
+        assert m["counts"]["samples"] == len(want)
+        assert (out / f"token_freq.shard-0000{i}-of-00002.json").is_file()
+    assert not (out / "manifest.json").exists()
 
 
 # --- engine=vllm ----------------------------------------------------------------------

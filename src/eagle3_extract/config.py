@@ -14,7 +14,7 @@ import re
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, List, Optional
+from typing import Any, Dict, List, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
@@ -48,6 +48,7 @@ class ModelConfig:
     gpu_memory_utilization: float = 0.85
     quantization: Optional[str] = None
     tiny_config: Optional[str] = None  # only for path: tiny (a name in assets/tiny or a path)
+    load_format: Optional[str] = None  # vLLM load_format (e.g. "dummy" for smoke tests)
 
 
 @dataclass
@@ -72,6 +73,7 @@ class DatasetConfig:
     shuffle: bool = True
     max_length: Optional[int] = None  # default: model.max_model_len - 1
     overlong: str = "truncate"
+    num_proc: Optional[int] = None  # tokenizer processes; null: one per core for big datasets
 
 
 @dataclass
@@ -92,6 +94,7 @@ class EngineConfig:
     enforce_eager: bool = True
     device: str = "auto"
     distributed_executor_backend: str = "mp"
+    vllm_args: Dict[str, Any] = field(default_factory=dict)  # extra vLLM EngineArgs, as-is
 
 
 @dataclass
@@ -149,8 +152,10 @@ def _logdir(out_dir: str) -> str:
     return str(Path(tempfile.gettempdir()) / "eagle3-extract-logs")
 
 
-def _join(ids: Any) -> str:
-    return "-".join(str(i) for i in ids) if ids is not None else "none"
+def _layers_name(ids: Any) -> str:
+    """Dir name of a layer set: "eagle3" for the default ids, "ids1-3-5" for explicit ones
+    (so `layers=eagle3 layers.ids=[1,3]` cannot write under a misleading name)."""
+    return "eagle3" if ids is None else "ids" + "-".join(str(i) for i in ids)
 
 
 def _basename(p: str) -> str:
@@ -167,7 +172,7 @@ def register() -> None:
         ("eagle3.asset", _asset),
         ("eagle3.abspath", _abspath),
         ("eagle3.logdir", _logdir),
-        ("eagle3.join", _join),
+        ("eagle3.layers_name", _layers_name),
         ("eagle3.basename", _basename),
     ):
         if not OmegaConf.has_resolver(name):

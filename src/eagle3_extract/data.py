@@ -15,6 +15,7 @@ resume, sharding and file names stay stable whatever rows turn out unusable.
 from __future__ import annotations
 
 import json
+import os
 import random
 from collections import Counter
 from dataclasses import dataclass, field
@@ -375,15 +376,15 @@ class Tokenized:
         )
 
 
-def tokenize_rows(
-    rows: list[Any], order: list[int], renderer: Renderer, max_length: int, overlong: str
-) -> Tokenized:
-    """Tokenize the rows in seeded order; skip and count what cannot be used."""
-    skipped: Counter[str] = Counter({r: 0 for r in SKIP_REASONS})
+def _tokenize_span(rows: list[Any], order: list[int], start: int, stop: int,
+                   renderer: Renderer, max_length: int, overlong: str) -> dict[str, Any]:
+    """Samples start..stop-1 of the order: arrays of the usable ones, counts of the rest."""
+    skipped: Counter[str] = Counter()
     examples: list[dict[str, Any]] = []
     indices, lengths, truncated = [], [], []
     id_chunks, mask_chunks = [], []
-    for index, row_no in enumerate(order):
+    for index in range(start, stop):
+        row_no = order[index]
         try:
             ids, mask = renderer.tokenize(to_messages(rows[row_no]))
             cut = len(ids) > max_length
@@ -404,27 +405,83 @@ def tokenize_rows(
         truncated.append(cut)
         id_chunks.append(np.asarray(ids, dtype=np.int64))
         mask_chunks.append(np.asarray(mask, dtype=np.uint8))
+    return {
+        "indices": np.asarray(indices, dtype=np.int64),
+        "lengths": np.asarray(lengths, dtype=np.int64),
+        "truncated": np.asarray(truncated, dtype=bool),
+        "ids": np.concatenate(id_chunks) if id_chunks else np.zeros(0, dtype=np.int64),
+        "mask": np.concatenate(mask_chunks) if mask_chunks else np.zeros(0, dtype=np.uint8),
+        "skipped": skipped,
+        "examples": examples,
+    }
+
+
+_FORKED: tuple | None = None  # what forked tokenizer workers inherit (never pickled)
+
+
+def _forked_span(bounds: tuple[int, int]) -> dict[str, Any]:
+    rows, order, renderer, max_length, overlong = _FORKED
+    return _tokenize_span(rows, order, bounds[0], bounds[1], renderer, max_length, overlong)
+
+
+def auto_num_proc(num_proc: int | None, num_rows: int) -> int:
+    """`dataset.num_proc`, or by default one process per core (<= 32) for big datasets."""
+    if num_proc is not None:
+        return max(1, int(num_proc))
+    return min(os.cpu_count() or 1, 32) if num_rows >= 5000 else 1
+
+
+def tokenize_rows(
+    rows: list[Any], order: list[int], renderer: Renderer, max_length: int, overlong: str,
+    num_proc: int = 1,
+) -> Tokenized:
+    """Tokenize the rows in seeded order; skip and count what cannot be used.
+
+    With `num_proc > 1` contiguous spans of the order go to forked worker
+    processes (they inherit rows and tokenizer, nothing is pickled but results);
+    the result is identical to the serial one.
+    """
+    n = len(order)
+    if num_proc <= 1 or n < 2 * num_proc:
+        parts = [_tokenize_span(rows, order, 0, n, renderer, max_length, overlong)]
+    else:
+        import multiprocessing as mp
+
+        global _FORKED
+        step = -(-n // (num_proc * 4))
+        spans = [(a, min(a + step, n)) for a in range(0, n, step)]
+        _FORKED = (rows, order, renderer, max_length, overlong)
+        try:
+            with mp.get_context("fork").Pool(num_proc) as pool:
+                parts = pool.map(_forked_span, spans, chunksize=1)
+        finally:
+            _FORKED = None
+    skipped: Counter[str] = Counter({r: 0 for r in SKIP_REASONS})
+    examples: list[dict[str, Any]] = []
+    for p in parts:
+        skipped.update(p["skipped"])
+        examples += p["examples"][: max(0, 20 - len(examples))]
+    lengths = np.concatenate([p["lengths"] for p in parts])
     offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
-    np.cumsum(np.asarray(lengths, dtype=np.int64), out=offsets[1:])
-    ids_flat = np.concatenate(id_chunks) if id_chunks else np.zeros(0, dtype=np.int64)
-    mask_flat = np.concatenate(mask_chunks) if mask_chunks else np.zeros(0, dtype=np.uint8)
+    np.cumsum(lengths, out=offsets[1:])
+    indices = np.concatenate([p["indices"] for p in parts])
+    truncated = np.concatenate([p["truncated"] for p in parts])
+    mask_flat = np.concatenate([p["mask"] for p in parts])
     report = {
         "rows": len(rows),
-        "selected": len(order),
+        "selected": n,
         "usable": len(indices),
         "skipped": dict(skipped),
         "skipped_total": sum(skipped.values()),
         "skipped_examples": examples,
-        "truncated": int(sum(truncated)),
+        "truncated": int(truncated.sum()),
         "tokens": int(offsets[-1]),
         "loss_tokens": int(mask_flat.sum()),
         "max_length": max_length,
         "overlong": overlong,
     }
-    return Tokenized(
-        np.asarray(indices, dtype=np.int64), offsets, ids_flat, mask_flat,
-        np.asarray(truncated, dtype=bool), report,
-    )
+    return Tokenized(indices, offsets, np.concatenate([p["ids"] for p in parts]), mask_flat,
+                     truncated, report)
 
 
 def load_tokenizer(path: str, trust_remote_code: bool) -> Any:
@@ -451,7 +508,8 @@ def build_dataset(ds: Any, tokenizer: Any, max_length: int,
     """dataset config + tokenizer -> usable samples. Raises PreflightError if none."""
     rows = read_nonempty(ds) if rows is None else rows
     order = seeded_order(len(rows), int(ds.seed), bool(ds.shuffle), ds.max_samples)
-    data = tokenize_rows(rows, order, Renderer(tokenizer), max_length, str(ds.overlong))
+    procs = auto_num_proc(getattr(ds, "num_proc", None), len(order))
+    data = tokenize_rows(rows, order, Renderer(tokenizer), max_length, str(ds.overlong), procs)
     if len(data) == 0:
         raise PreflightError(
             f"dataset.path={str(ds.path)!r}: none of {len(order)} rows is usable "
