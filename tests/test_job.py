@@ -349,3 +349,17 @@ def test_vllm_sigkill_then_resume_gives_the_uninterrupted_result(vllm_multirun, 
         b, mb = load_st(ref[i])
         assert ma == mb
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_stale_json_temps_are_removed_for_own_files_only(tmp_path):
+    from eagle3_extract.manifest import clean_json_temps
+
+    names = [".manifest.json.tmp-1", ".token_freq.json.tmp-2", ".run.json.tmp-3",
+             ".run.json.tmp-4", ".manifest.shard-00001-of-00002.json.tmp-5", "manifest.json"]
+    for n in names:
+        (tmp_path / n).write_text("{")
+    old = time.time() - 600
+    os.utime(tmp_path / ".run.json.tmp-3", (old, old))  # a dead run's; -4 may be live
+    assert clean_json_temps(tmp_path, ["manifest.json", "token_freq.json"]) == 3
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        ".manifest.shard-00001-of-00002.json.tmp-5", ".run.json.tmp-4", "manifest.json"]

@@ -29,6 +29,7 @@ from .data import Renderer, Tokenized, build_dataset, load_tokenizer, read_nonem
 from .manifest import (
     base_manifest,
     check_run_json,
+    clean_json_temps,
     manifest_name,
     run_identity,
     write_json_atomic,
@@ -145,6 +146,7 @@ def preflight(cfg: Any) -> Plan:
     write_run_json(root, ident)
     index, count = int(cfg.shard.index), int(cfg.shard.count)
     stale = clean_stale_temps(root, owned=lambda i: i % count == index)
+    clean_json_temps(root, [manifest_name(index, count), manifest_name(index, count, "token_freq")])
     return Plan(
         cfg=cfg, resolved=resolved, root=root, info=info, layer_ids=layer_ids, ident=ident,
         mine=mine, todo=todo, resumed=len(mine) - len(todo), stale_temps=stale,

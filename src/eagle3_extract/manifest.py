@@ -38,6 +38,25 @@ def write_json_atomic(path: Path, obj: Any) -> None:
     os.replace(tmp, path)
 
 
+def clean_json_temps(root: Path, names: list[str], shared: tuple[str, ...] = ("run.json",),
+                     shared_min_age_s: float = 300.0) -> int:
+    """Remove temps of `names` left by a killed run (`.<name>.tmp-<pid>`).
+
+    `names` are this job's own files; temps of files every shard writes (`run.json`)
+    go only once they are old, so a live shard's in-flight write is never touched.
+    """
+    removed = 0
+    now = time.time()
+    for entry in os.scandir(root):
+        for name in (*names, *shared):
+            if entry.name.startswith(f".{name}.tmp-") and entry.is_file():
+                if name in shared and now - entry.stat().st_mtime < shared_min_age_s:
+                    continue
+                os.unlink(entry.path)
+                removed += 1
+    return removed
+
+
 def file_sha256(path: str | Path, chunk: int = 1 << 22) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
