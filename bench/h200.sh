@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# The H200 figures of docs/BENCHMARKS.md: vLLM 0.16's Python code over the device's torch
+# (/work/shared/tools/h200-vllm016/README.md), an 8B Llama shape with dummy weights,
+# 64 x 2048 synthetic tokens, 16 per call. On the device, from the checkout root, right
+# after step A of that kit (`bash .gpu-bundle/install-on-device.sh .gpu-bundle A`), carrying
+# .gpu-bundle/{whlB,vllm016-py.zip,install-on-device.sh} and whlC (hydra-core 1.3.2,
+# omegaconf 2.3.0, antlr4-python3-runtime 4.9.3: eagle3_extract.config imports them):
+#   bash bench/h200.sh [all|vllm|hf|profile]      # figures and logs go to $OUT
+set -uo pipefail
+what=${1:-all}
+OUT=${OUT:-/tmp/bench-results}
+mkdir -p "$OUT"
+if [[ ! -d /tmp/site/vllm ]]; then
+  bash .gpu-bundle/install-on-device.sh .gpu-bundle B || exit 3
+fi
+if [[ ! -d /tmp/site/hydra ]]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
+    .gpu-bundle/whlC/*.whl || exit 3
+fi
+export PYTHONPATH=/tmp/site:$PWD/src VLLM_WORKER_MULTIPROC_METHOD=spawn PYTHONUNBUFFERED=1
+if command -v patch > /dev/null; then
+  python3 -m eagle3_extract.patching apply --target /tmp/site 2>&1 | tail -1
+else  # no patch(1) in the image: the series applied here beforehand (eagle3-patches apply)
+  cp -r .gpu-bundle/spec-patched/speculators /tmp/site/
+fi
+python3 -m eagle3_extract.patching check --target /tmp/site || exit 4
+
+# The shared host buffer (3 slots x 33,792 rows x 4 x 4096 bf16 = 3.3 GB) lives in /dev/shm.
+if (($(df --output=avail -B1G /dev/shm | tail -1) < 8)); then export SPECULATORS_SHM_DIR=/tmp; fi
+# Outputs on a disk, not tmpfs (that would measure RAM).
+dir=/var/tmp/eagle3-bench
+[[ $(findmnt -no FSTYPE -T /var/tmp) == tmpfs ]] && dir=$PWD/.bench-out
+common=(--model bench/configs/llama3_8b.json --load-format dummy --synthetic 64x2048
+        --token-budget 32768 --max-num-seqs 16 --repeats 3 --breakdown
+        --gpu-memory-utilization 0.6 --out-dir "$dir")
+vllm_args='{"attention_config": {"backend": "TRITON_ATTN"}, "compilation_config": {"custom_ops": ["none"]}}'
+
+if [[ $what == all || $what == vllm ]]; then
+  timeout 330 python3 bench/run.py "${common[@]}" --engine vllm --executor mp \
+    --vllm-args "$vllm_args" --out "$OUT/vllm.json" > "$OUT/vllm.log" 2>&1
+  echo "vllm rc=$?"
+  grep -v '^(Worker' "$OUT/vllm.log" | grep -v Gloo | tail -22
+fi
+if [[ $what == all || $what == hf ]]; then
+  timeout 150 python3 bench/run.py "${common[@]}" --engine hf --out "$OUT/hf.json" \
+    > "$OUT/hf.log" 2>&1
+  echo "hf rc=$?"
+  tail -16 "$OUT/hf.log"
+fi
+if [[ $what == all || $what == profile ]]; then
+  timeout 90 python3 bench/writer_profile.py --dir "$dir/profile" --out "$OUT/writer_profile.json" \
+    > "$OUT/writer_profile.log" 2>&1
+  echo "profile rc=$?"
+  tail -20 "$OUT/writer_profile.log"
+  rm -rf "$dir/profile"
+fi
