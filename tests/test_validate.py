@@ -1,0 +1,233 @@
+"""eagle3-validate on a real extraction (tiny Llama, vLLM 0.16 CPU build) and on
+copies corrupted the ways that silently ruin a drafter: each must fail, naming
+the file and the reason."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from conftest import make_engine
+from eagle3_extract import validate
+from eagle3_extract.types import Batch, Sample
+
+pytestmark = pytest.mark.engine
+
+OVERRIDES = ["dataset.max_samples=6", "model.max_model_len=1024", "engine.token_budget=2048",
+             "engine.distributed_executor_backend=uni"]
+
+
+def extract_tiny(root: Path, *overrides: str) -> dict:
+    """A real `eagle3-extract` run (default engine: vLLM), in this process."""
+    from eagle3_extract.cli import extract
+    from eagle3_extract.config import conf_dir
+
+    with initialize_config_dir(str(conf_dir()), version_base="1.3"):
+        cfg = compose("config", overrides=[*OVERRIDES, f"output.dir={root}", *overrides])
+    return extract(cfg)
+
+
+def load_st(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    with safe_open(str(path), framework="pt") as f:
+        return {k: f.get_tensor(k) for k in f.keys()}, dict(f.metadata())
+
+
+def rewrite(path: Path, edit=None, **meta: str) -> None:
+    t, m = load_st(path)
+    if edit is not None:
+        edit(t)
+    save_file({k: v.contiguous() for k, v in t.items()}, str(path), metadata={**m, **meta})
+
+
+def sample_file(root: Path, index: int, ext: str = ".safetensors") -> Path:
+    return root / "data" / "00000" / f"{index:09d}{ext}"
+
+
+@pytest.fixture(scope="module")
+def clean(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("validate") / "out"
+    m = extract_tiny(root)
+    assert m["status"] == "complete" and m["layer_ids"] == [2, 4, 5, 8]
+    return root
+
+
+@pytest.fixture
+def copy(clean, tmp_path) -> Path:
+    dst = tmp_path / "copy"
+    shutil.copytree(clean, dst, ignore=shutil.ignore_patterns("*_report.json"))
+    return dst
+
+
+def run(root: Path) -> dict:
+    report = validate.validate(root)
+    assert report["ok"] == (validate.main([str(root), "--no-report"]) == 0)
+    return report
+
+
+def codes(report: dict, where: str | None = None) -> set[str]:
+    return {p["code"] for p in report["problems"] if where is None or p["where"] == where}
+
+
+def rel(index: int, ext: str = ".safetensors") -> str:
+    return f"data/00000/{index:09d}{ext}"
+
+
+def test_clean_extraction_passes_with_norm_report(clean, capsys):
+    assert validate.main([str(clean)]) == 0
+    out = capsys.readouterr().out
+    assert ": OK" in out and "per-token L2 norm" in out
+    report = json.loads((clean / validate.REPORT_NAME).read_text())
+    assert report["ok"] and report["files"] == 6 and not report["problems"]
+    per_layer = report["norms"]["per_layer"]
+    assert list(per_layer) == ["2", "4", "5", "8"]
+    means = [v["mean_norm"] for v in per_layer.values()]
+    assert means == sorted(means) and all(v["std_norm"] > 0 for v in per_layer.values())
+    assert report["norms"]["increasing_files"] == 6
+    assert not list(clean.rglob(".*tmp*"))  # the report was written atomically
+    assert validate.main([str(clean)]) == 0  # its own report is not a stray file
+
+
+def test_layer_shifted_by_one_is_flagged(copy):
+    """Column of id 2 replaced by the state at id 3 (the after-layer convention)."""
+    path = sample_file(copy, 0)
+    t, _ = load_st(path)
+    hf = make_engine("hf", [3])
+    try:
+        s = Sample(0, t["input_ids"].tolist(), t["loss_mask"].tolist())
+        id3 = hf.extract(Batch([s])).states[0][:, 0]
+    finally:
+        hf.close()
+    rewrite(path, lambda t: t["hidden_states"][:, 0].copy_(id3))
+    report = run(copy)
+    assert codes(report) == {"norm_profile"}, report["problems"]
+    assert list(report["bad_files"]) == [rel(0)]
+    assert "layer 2 x1.2" in report["bad_files"][rel(0)][0]
+
+
+def test_truncated_rows(copy):
+    rewrite(sample_file(copy, 1), lambda t: t.update(hidden_states=t["hidden_states"][:-3]))
+    report = run(copy)
+    assert codes(report) == {"rows"} and list(report["bad_files"]) == [rel(1)]
+
+
+def test_sample_truncated_consistently_breaks_the_token_counts(copy):
+    def cut(t):
+        for k in t:
+            t[k] = t[k][:-10]
+
+    rewrite(sample_file(copy, 2), cut)
+    report = run(copy)
+    assert codes(report) == {"tokens", "token_freq"}, report["problems"]
+
+
+def test_nan(copy):
+    rewrite(sample_file(copy, 3), lambda t: t["hidden_states"][5, 1, 7].fill_(float("nan")))
+    report = run(copy)
+    assert codes(report) == {"nonfinite"} and list(report["bad_files"]) == [rel(3)]
+
+
+def test_swapped_pair_of_layers_in_one_file(copy):
+    rewrite(sample_file(copy, 4), lambda t: t.update(hidden_states=t["hidden_states"][:,
+                                                                                    [0, 2, 1, 3]]))
+    report = run(copy)
+    assert codes(report) == {"norm_order"} and list(report["bad_files"]) == [rel(4)]
+    assert "from layer 4 to 5" in report["bad_files"][rel(4)][0]
+
+
+def test_swapped_pair_of_layers_in_every_file(copy):
+    for i in range(6):
+        rewrite(sample_file(copy, i), lambda t: t.update(hidden_states=t["hidden_states"][
+            :, [0, 1, 3, 2]]))
+    report = run(copy)
+    assert codes(report) == {"norm_order"}
+    assert [p["where"] for p in report["problems"]] == ["dataset"]
+    assert "from layer 5 to 8" in report["problems"][0]["message"]
+
+
+def test_duplicated_layer(copy):
+    rewrite(sample_file(copy, 5), lambda t: t["hidden_states"][:, 2].copy_(
+        t["hidden_states"][:, 1]))
+    report = run(copy)
+    assert "layers" in codes(report, rel(5))
+
+
+def test_missing_file(copy):
+    sample_file(copy, 2).unlink()
+    report = run(copy)
+    assert codes(report) == {"count", "missing"}
+    missing = [p for p in report["problems"] if p["code"] == "missing"][0]
+    assert "indices [2]" in missing["message"]
+
+
+def test_file_of_another_run(copy):
+    rewrite(sample_file(copy, 3), run_id="0123456789abcdef")
+    report = run(copy)
+    assert codes(report) == {"run_id"} and list(report["bad_files"]) == [rel(3)]
+
+
+def test_metadata_names_another_sample(copy):
+    rewrite(sample_file(copy, 1), sample_index="4")
+    assert codes(run(copy)) == {"metadata"}
+
+
+def test_stray_temp_file_and_misplaced_file(copy):
+    (copy / "data" / "00000" / ".000000003.safetensors.tmp-4242").write_bytes(b"partial")
+    (copy / "data" / "00001").mkdir()
+    sample_file(copy, 5).rename(copy / "data" / "00001" / "000000005.safetensors")
+    report = run(copy)
+    assert codes(report, "data/00000/.000000003.safetensors.tmp-4242") == {"stray"}
+    assert codes(report, "data/00001/000000005.safetensors") == {"index"}
+
+
+def test_bad_loss_mask(copy):
+    rewrite(sample_file(copy, 0), lambda t: t["loss_mask"][3].fill_(2))
+    rewrite(sample_file(copy, 1), lambda t: t["loss_mask"].zero_())
+    report = run(copy)
+    assert codes(report, rel(0)) == {"loss_mask"} and codes(report, rel(1)) == {"loss_mask"}
+
+
+def test_unfinished_run_and_unreadable_file(copy):
+    m = json.loads((copy / "manifest.json").read_text())
+    m["status"] = "running"
+    (copy / "manifest.json").write_text(json.dumps(m))
+    sample_file(copy, 2).write_bytes(b"\x00" * 64)
+    report = run(copy)
+    assert "incomplete" in codes(report, "dataset")
+    assert codes(report, rel(2)) == {"unreadable"}
+
+
+def test_speculators_pt_layout(copy):
+    """The same data as speculators_pt: loads with weights_only; pickles and stray .pt fail."""
+    from eagle3_extract.writer import write_sample
+
+    m = json.loads((copy / "manifest.json").read_text())
+    for i in range(6):
+        t, meta = load_st(sample_file(copy, i))
+        s = Sample(i, t["input_ids"].tolist(), t["loss_mask"].tolist())
+        write_sample(sample_file(copy, i, ".pt"), s, t["hidden_states"], "speculators_pt",
+                     m["layer_ids"], m["run_id"])
+        sample_file(copy, i).unlink()
+    m["config"]["output"]["format"] = m["output"]["format"] = "speculators_pt"
+    (copy / "manifest.json").write_text(json.dumps(m))
+    report = run(copy)
+    assert report["ok"], report["problems"]
+
+    torch.save({"input_ids": Path("/")}, sample_file(copy, 3, ".pt"))  # needs unpickling
+    torch.save({"mean": torch.zeros(3)}, copy / "stats.pt")
+    report = run(copy)
+    assert codes(report, rel(3, ".pt")) == {"unreadable"}
+    assert "weights_only=True" in report["bad_files"][rel(3, ".pt")][0]
+    assert codes(report, "stats.pt") == {"stray"}
+
+
+def test_not_a_directory_or_no_manifest(tmp_path):
+    assert validate.main([str(tmp_path / "nope"), "--no-report"]) == 1
+    report = validate.validate(tmp_path)
+    assert not report["ok"] and codes(report) == {"manifest"}
