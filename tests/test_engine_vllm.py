@@ -57,6 +57,7 @@ def test_matches_hf_reference_at_every_layer_id(arch_engines):
             assert (err.max(0).values < max_tol).all(), (arch, err.max(0).values)
     finally:
         got.release()
+        ref.release()
 
 
 def test_after_the_layer_convention_fails_the_same_check(arch_engines):
@@ -71,6 +72,7 @@ def test_after_the_layer_convention_fails_the_same_check(arch_engines):
         assert (shifted > 0.3).all(), shifted
     finally:
         got.release()
+        ref.release()
 
 
 @pytest.fixture(scope="module")

@@ -30,8 +30,10 @@ def samples():
 def reference():
     hf = make_engine("hf", ALL_IDS, dtype="float32")
     eb = hf.extract(Batch(samples()))
+    states = [s.clone() for s in eb.states]
+    eb.release()
     hf.close()
-    return eb.states
+    return states
 
 
 @pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)], ids=["tp2", "pp2"])

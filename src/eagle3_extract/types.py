@@ -54,6 +54,7 @@ class ExtractedBatch:
     states: list[torch.Tensor]
     release: Callable[[], None] = field(default=lambda: None)
     seconds: float = 0.0
+    finite_checked: bool = False  # the engine already refused NaN/Inf rows (on the device)
 
 
 class Engine(Protocol):

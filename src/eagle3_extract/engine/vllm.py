@@ -117,6 +117,8 @@ class VllmEngine:
         return ExtractedBatch(
             batch.samples, states, release=_once(host.release),
             seconds=time.perf_counter() - t0,
+            # The generator refuses NaN/Inf rows, checked on the workers' devices.
+            finite_checked=True,
         )
 
     def close(self) -> None:
