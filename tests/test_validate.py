@@ -8,6 +8,7 @@ import json
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
@@ -101,7 +102,7 @@ def test_layer_shifted_by_one_is_flagged(copy):
     hf = make_engine("hf", [3])
     try:
         s = Sample(0, t["input_ids"].tolist(), t["loss_mask"].tolist())
-        id3 = hf.extract(Batch([s])).states[0][:, 0]
+        id3 = hf.extract(Batch([s])).states[0][:, 0].clone()
     finally:
         hf.close()
     rewrite(path, lambda t: t["hidden_states"][:, 0].copy_(id3))
@@ -201,6 +202,45 @@ def test_unfinished_run_and_unreadable_file(copy):
     report = run(copy)
     assert "incomplete" in codes(report, "dataset")
     assert codes(report, rel(2)) == {"unreadable"}
+
+
+def split_into_shards(root: Path, count: int = 2) -> None:
+    """Rewrite a one-job run as `count` shard manifests, as data parallelism writes them."""
+    from eagle3_extract.cli import token_frequencies
+    from eagle3_extract.data import Tokenized
+
+    m = json.loads((root / "manifest.json").read_text())
+    for k in range(count):
+        files = [load_st(sample_file(root, i))[0] for i in range(6) if i % count == k]
+        ids = torch.cat([t["input_ids"] for t in files]).numpy()
+        mask = torch.cat([t["loss_mask"] for t in files]).numpy()
+        data = Tokenized(indices=np.arange(len(files)), offsets=np.zeros(len(files) + 1),
+                         ids=ids, mask=mask, truncated=np.zeros(len(files), dtype=bool))
+        name = f"shard-{k:05d}-of-{count:05d}"
+        (root / f"token_freq.{name}.json").write_text(json.dumps(token_frequencies(data)))
+        shard = {**m, "shard": {"index": k, "count": count}, "token_freq":
+                 f"token_freq.{name}.json", "counts": {**m["counts"], "written": len(files)},
+                 "tokens": {"total": len(ids), "loss": int(mask.sum())}}
+        (root / f"manifest.{name}.json").write_text(json.dumps(shard))
+    (root / "manifest.json").rename(root / "old-manifest.json.bak")
+    (root / "token_freq.json").unlink()
+
+
+def test_sharded_run_and_a_missing_shard_manifest(copy):
+    split_into_shards(copy)
+    assert run(copy)["ok"]
+    (copy / "manifest.shard-00001-of-00002.json").unlink()
+    report = run(copy)
+    assert "incomplete" in codes(report, "dataset") and "count" in codes(report, "dataset")
+    assert codes(report, rel(1)) == {"index"}  # shard 1's files: no manifest owns them
+
+
+def test_stale_manifest_of_an_earlier_shard_layout_is_a_warning(copy):
+    m = json.loads((copy / "manifest.json").read_text())
+    old = {**m, "shard": {"index": 0, "count": 4}, "updated": "2000-01-01T00:00:00+0000"}
+    (copy / "manifest.shard-00000-of-00004.json").write_text(json.dumps(old))
+    report = run(copy)
+    assert report["ok"] and [w["code"] for w in report["warnings"]] == ["stale_manifest"]
 
 
 def test_speculators_pt_layout(copy):

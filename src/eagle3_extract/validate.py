@@ -151,19 +151,37 @@ def states_tensor(hs: Any) -> torch.Tensor:
 
 
 def load_manifests(root: Path) -> tuple[list[dict[str, Any]], list[Problem]]:
-    """manifest.json, or the per-shard manifests of a sharded run."""
-    paths = [root / "manifest.json"] if (root / "manifest.json").exists() else sorted(
-        Path(p) for p in glob.glob(str(root / "manifest.shard-*-of-*.json"))
-    )
+    """The manifests of the run's current shard layout, and problems.
+
+    One `manifest.json`, or one per shard (`shard.count > 1`, data parallelism).
+    A rerun with another shard layout resumes from the same files and leaves the
+    old layout's manifests behind: the layout updated last is the current one;
+    the others are reported (code "stale_manifest", a warning in `validate`).
+    """
+    paths = [root / "manifest.json"] if (root / "manifest.json").exists() else []
+    paths += sorted(Path(p) for p in glob.glob(str(root / "manifest.shard-*-of-*.json")))
     if not paths:
         return [], [Problem("dataset", "manifest", "no manifest.json (nor shard manifests)")]
-    out, problems = [], []
+    layouts: dict[int, list[dict[str, Any]]] = {}
+    names: dict[int, list[str]] = {}
+    problems = []
     for p in paths:
         try:
-            out.append(json.loads(p.read_text()))
+            m = json.loads(p.read_text())
         except (OSError, json.JSONDecodeError) as e:
             problems.append(Problem(p.name, "manifest", f"unreadable: {e}"))
-    return out, problems
+            continue
+        count = int((m.get("shard") or {}).get("count", 1))
+        layouts.setdefault(count, []).append(m)
+        names.setdefault(count, []).append(p.name)
+    if not layouts:
+        return [], problems
+    current = max(layouts, key=lambda c: max(str(m.get("updated", "")) for m in layouts[c]))
+    for c in sorted(set(layouts) - {current}):
+        problems.append(Problem(
+            "dataset", "stale_manifest", f"{names[c]} describe an earlier run with "
+            f"shard.count={c}; checking against the later shard.count={current}"))
+    return layouts[current], problems
 
 
 def _dtype(name: Any) -> torch.dtype | None:
@@ -546,9 +564,10 @@ def validate(root: str | Path, norm_tol: float = NORM_TOL, norm_errors: bool = T
         problems = [Problem("dataset", "missing", f"{root} is not a directory")]
         return _finish(report, problems, [], t0)
     manifests, problems = load_manifests(root)
+    warnings = [p for p in problems if p.code == "stale_manifest"]
+    problems = [p for p in problems if p.code != "stale_manifest"]
     exp, more = expectation(manifests)
     problems += more
-    warnings: list[Problem] = []
     if exp is None:
         return _finish(report, problems, warnings, t0)
     report.update(run_id=exp.run_id, format=exp.fmt, layer_ids=exp.layer_ids,

@@ -164,7 +164,11 @@ class HFReference:
         self.engine = HFEngine(cfg, info, self.layer_ids)
 
     def states(self, samples: list[Sample]) -> list[torch.Tensor]:
-        return self.engine.extract(Batch(samples)).states
+        eb = self.engine.extract(Batch(samples))
+        try:  # the states may be views into a host buffer the engine reuses
+            return [s.clone() for s in eb.states]
+        finally:
+            eb.release()
 
     def close(self) -> None:
         self.engine.close()
@@ -453,6 +457,7 @@ def verify(root: str | Path, overrides: list[str] | None = None, samples: int = 
     manifests, problems = load_manifests(root)
     if not manifests:
         raise VerifyError(f"{root}: {problems[0].message if problems else 'no manifest'}")
+    # (stale manifests of an earlier shard layout are eagle3-validate's to report)
     man = manifests[0]
     cfg = build_config(man, list(overrides or []))
     layer_ids = [int(k) for k in man["layer_ids"]]
