@@ -403,8 +403,8 @@ def _model(cfg: Any, man: dict[str, Any]) -> tuple[Any, list[str]]:
     try:
         info = inspect_model(cfg.model)
     except (ValueError, OSError) as e:
-        raise VerifyError(f"model.path={cfg.model.path!r}: {e}; pass model.path=... if the "
-                          "model moved") from e
+        msg = str(e) if "model.path" in str(e) else f"model.path={cfg.model.path!r}: {e}"
+        raise VerifyError(f"{msg} (override model.path=... if the model moved)") from e
     want = man["model"]
     if (info.num_layers, info.hidden_size) != (want["num_layers"], want["hidden_size"]):
         raise VerifyError(f"{info.path} has {info.num_layers} layers x {info.hidden_size}, the "
@@ -581,7 +581,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.add_argument(f"--tol-{stat}", type=float, default=None,
                         help=f"override the bound on the {stat} per-token relative error")
     ap.add_argument("--no-report", action="store_true", help=f"do not write DIR/{REPORT_NAME}")
-    args = ap.parse_args(argv)
+    args = ap.parse_intermixed_args(argv)  # options before or after the overrides
     try:
         report = verify(args.dir, args.overrides, args.samples, args.seed, args.reference,
                         tol={"median": args.tol_median, "mean": args.tol_mean,
