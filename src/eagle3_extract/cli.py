@@ -36,6 +36,7 @@ from .manifest import (
     write_run_json,
 )
 from .progress import Progress
+from .status import process_identity
 from .writer import (
     EXTENSIONS,
     Writer,
@@ -124,7 +125,7 @@ def preflight(cfg: Any) -> Plan:
     tokenizer = load_tokenizer(info.tokenizer_path, bool(cfg.model.trust_remote_code))
     renderer = Renderer(tokenizer)  # raises if there is no chat template
     ident = run_identity(cfg, info, layer_ids, tokenizer, max_len)
-    check_run_json(root, ident)
+    resuming = check_run_json(root, ident)
 
     data = build_dataset(cfg.dataset, renderer.tok, max_len, rows)
     mine = data.select(shard_mask(data.indices, int(cfg.shard.index), int(cfg.shard.count)))
@@ -143,7 +144,8 @@ def preflight(cfg: Any) -> Plan:
             f"{info.hidden_size} x {itemsize} bytes), only {free / 1e9:.2f} GB free; free "
             "space, set output.dir elsewhere, or lower dataset.max_samples"
         )
-    write_run_json(root, ident)
+    if not resuming:  # shards starting together need not all rewrite it
+        write_run_json(root, ident)
     index, count = int(cfg.shard.index), int(cfg.shard.count)
     stale = clean_stale_temps(root, owned=lambda i: i % count == index)
     clean_json_temps(root, [manifest_name(index, count), manifest_name(index, count, "token_freq")])
@@ -183,6 +185,11 @@ def _layout(cfg: Any) -> str:
 def extract(cfg: Any) -> dict[str, Any]:
     """Run one job; return the final manifest."""
     t_start = time.perf_counter()
+    if int(cfg.parallel.data_parallel_size) > 1:
+        raise config_mod.ConfigError(
+            "parallel.data_parallel_size > 1 runs one process per replica: use the "
+            "eagle3-extract command (or eagle3_extract.parallel.launch), not extract()"
+        )
     plan = preflight(cfg)
     root, mine, todo = plan.root, plan.mine, plan.todo
     shard_i, shard_n = int(cfg.shard.index), int(cfg.shard.count)
@@ -190,6 +197,7 @@ def extract(cfg: Any) -> dict[str, Any]:
     manifest_path = root / manifest_name(shard_i, shard_n)
     manifest = base_manifest(plan.resolved, plan.ident, plan.info, plan.layer_ids, _layout(cfg))
     manifest["shard"] = {"index": shard_i, "count": shard_n}
+    manifest["process"] = process_identity()  # lets eagle3-status tell a killed job
     manifest["data"] = mine.report
     log.info(
         "preflight ok in %.1fs: %d samples for this shard (%d tokens), %d already done, "
@@ -201,6 +209,8 @@ def extract(cfg: Any) -> dict[str, Any]:
         log.info("removed %d stale temp files from an interrupted run", plan.stale_temps)
 
     timings: dict[str, float] = {"preflight_s": round(plan.preflight_s, 3)}
+    tokens_mine = int(mine.lengths.sum())
+    tokens_before = tokens_mine - int(todo.lengths.sum())
     engine = writer = progress = None
     status = "failed"
 
@@ -209,7 +219,9 @@ def extract(cfg: Any) -> dict[str, Any]:
         manifest["status"] = state
         manifest["updated"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
         manifest["progress"] = {"done_at_start": plan.resumed, "written_this_run": done_now,
-                                "to_do_at_start": len(todo)}
+                                "to_do_at_start": len(todo), "samples": len(mine),
+                                "tokens": tokens_mine,
+                                "tokens_done": tokens_before + (writer.tokens if writer else 0)}
         manifest["timings"] = timings
         write_json_atomic(manifest_path, manifest)
 
@@ -311,6 +323,13 @@ def _summary(m: dict[str, Any], root: Path) -> None:
 
 def _task(cfg: DictConfig) -> None:
     try:
+        if int(cfg.parallel.data_parallel_size) > 1:
+            from .parallel import launch_hydra_job
+
+            rc = launch_hydra_job(cfg)
+            if rc:
+                sys.exit(rc)
+            return
         extract(cfg)
     except PreflightError as e:
         log.error("preflight: %s", e)

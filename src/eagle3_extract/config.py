@@ -209,6 +209,7 @@ def validate(cfg: Any) -> None:
     _positive("output.files_per_dir", cfg.output.files_per_dir)
     _positive("output.writer_threads", cfg.output.writer_threads)
     _positive("shard.count", cfg.shard.count)
+    _positive("parallel.data_parallel_size", cfg.parallel.data_parallel_size)
     if cfg.dataset.max_samples is not None:
         _positive("dataset.max_samples", cfg.dataset.max_samples)
     if not 0 <= cfg.shard.index < cfg.shard.count:

@@ -1,0 +1,295 @@
+"""`eagle3-status DIR`: how far an extraction in DIR is, per shard and in total.
+
+Reads only the run directory (run.json, the shard manifests, the names of the
+sample files): no model, no dataset, so it is safe to run beside a live job, on
+a login node or from a cron check. Shards of several partitions can share a
+directory (a run resumed with another `shard.count` or data-parallel size);
+each partition is reported, and the run is complete when one of them is.
+
+A shard is `complete`, `running`, `failed` or `missing` (no manifest). A
+manifest that says `running` counts as failed when its process is gone (checked
+on the same host) or when it has not been updated for `--stale-after` seconds
+(a live job rewrites it every minute while it extracts).
+
+Exit status: 0 complete, 1 not complete, 2 not a run directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import socket
+import sys
+import time
+from dataclasses import asdict, dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+# As in writer.py (which imports torch: this command must start at once).
+DATA_DIR = "data"
+EXTENSIONS = {"safetensors": ".safetensors", "speculators_pt": ".pt"}
+MANIFEST_RE = re.compile(r"^manifest(?:\.shard-(\d+)-of-(\d+))?\.json$")
+STALE_AFTER_S = 3600.0
+
+
+# --- whose process wrote a manifest, and is it still there --------------------------
+
+
+def _read(path: str) -> str | None:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read().strip()
+    except OSError:
+        return None
+
+
+def _start_ticks(pid: int) -> int | None:
+    stat = _read(f"/proc/{pid}/stat")
+    if stat is None:
+        return None
+    # field 22 (starttime); the command name in parentheses may contain spaces
+    return int(stat.rsplit(")", 1)[1].split()[19])
+
+
+def process_identity() -> dict[str, Any]:
+    """This process, precisely enough to tell later whether it is still alive.
+
+    pid alone is not enough: pids are reused, and containers on one host (same
+    hostname with host networking) have their own pid namespaces.
+    """
+    try:
+        pid_ns = os.readlink("/proc/self/ns/pid")
+    except OSError:
+        pid_ns = None
+    pid = os.getpid()
+    return {"host": socket.gethostname(), "pid": pid, "pid_ns": pid_ns,
+            "boot_id": _read("/proc/sys/kernel/random/boot_id"), "start": _start_ticks(pid)}
+
+
+def process_alive(ident: dict[str, Any] | None) -> bool | None:
+    """True/False when `ident` can be checked from here, None when it cannot."""
+    if not ident or ident.get("start") is None:
+        return None
+    here = process_identity()
+    if any(ident.get(k) != here[k] for k in ("host", "pid_ns", "boot_id")):
+        return None
+    return _start_ticks(int(ident["pid"])) == ident["start"]
+
+
+# --- reading a run directory --------------------------------------------------------------
+
+
+@dataclass
+class Shard:
+    index: int
+    count: int
+    state: str  # complete | running | failed | missing
+    reason: str = ""
+    samples: int | None = None  # this shard's usable samples (None: no manifest yet)
+    done: int = 0  # of this shard's indices, files on disk now
+    tokens: int | None = None  # tokens written (as of the manifest's last update)
+    tokens_total: int | None = None
+    bytes: int = 0
+    host: str | None = None
+    updated: str | None = None
+
+    @property
+    def name(self) -> str:
+        return f"{self.index}/{self.count}"
+
+
+class NotARunDir(Exception):
+    pass
+
+
+def _sample_files(root: Path, fmt: str) -> dict[int, os.DirEntry]:
+    ext = EXTENSIONS[fmt]
+    files: dict[int, os.DirEntry] = {}
+    data = root / DATA_DIR
+    if not data.is_dir():
+        return files
+    for sub in os.scandir(data):
+        if not sub.is_dir():
+            continue
+        for e in os.scandir(sub.path):
+            stem = e.name[: -len(ext)]
+            if e.name.endswith(ext) and stem.isdigit():
+                files[int(stem)] = e
+    return files
+
+
+def _age_s(stamp: str | None) -> float | None:
+    if not stamp:
+        return None
+    try:
+        return time.time() - datetime.strptime(stamp, "%Y-%m-%dT%H:%M:%S%z").timestamp()
+    except ValueError:
+        return None
+
+
+def _shard(m: dict[str, Any] | None, index: int, count: int, mine: list[os.DirEntry],
+           stale_after: float) -> Shard:
+    def disk_bytes() -> int:
+        return sum(e.stat().st_size for e in mine)
+
+    if m is None:
+        return Shard(index, count, "missing", "no manifest", done=len(mine), bytes=disk_bytes())
+    prog = m.get("progress") or {}
+    samples = prog.get("samples")
+    if samples is None and "to_do_at_start" in prog:
+        samples = prog["done_at_start"] + prog["to_do_at_start"]
+    s = Shard(index, count, str(m.get("status")), samples=samples, done=len(mine),
+              tokens=prog.get("tokens_done"), tokens_total=prog.get("tokens"),
+              host=m.get("host"), updated=m.get("updated"))
+    if s.state == "complete":
+        s.samples = m["counts"]["samples"]
+        s.tokens = s.tokens_total = m["tokens"]["total"]
+        s.bytes = m["bytes"]["data"]
+        if s.done < s.samples:
+            s.state, s.reason = "failed", f"{s.samples - s.done} files gone since completion"
+            s.bytes = disk_bytes()
+        return s
+    s.bytes = disk_bytes()
+    if s.state == "failed":
+        s.reason = "the job reported a failure (see its log)"
+    elif s.state == "running":
+        proc = m.get("process") or {}
+        alive = process_alive(proc)
+        age = _age_s(s.updated)
+        if alive is False:
+            s.state, s.reason = "failed", f"process {proc.get('pid')} on {s.host} is gone"
+        elif alive is None and age is not None and age > stale_after:
+            s.state, s.reason = "failed", f"stale: no update for {age / 60:.0f} min"
+    else:
+        s.state, s.reason = "failed", f"unknown manifest status {m.get('status')!r}"
+    return s
+
+
+def collect(root: str | Path, stale_after: float = STALE_AFTER_S) -> dict[str, Any]:
+    """The status of the run in `root` as a JSON-able dict (see `main`)."""
+    root = Path(root)
+    try:
+        run = json.loads((root / "run.json").read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise NotARunDir(f"{root}: no readable run.json ({e}); not an eagle3-extract output "
+                         "dir, or its preflight never passed") from e
+    fmt = run["output"]["format"]
+    manifests: dict[int, dict[int, dict[str, Any]]] = {}
+    for entry in os.scandir(root):
+        match = MANIFEST_RE.match(entry.name)
+        if match:
+            i, n = (int(match[1]), int(match[2])) if match[1] else (0, 1)
+            try:
+                manifests.setdefault(n, {})[i] = json.loads(Path(entry.path).read_text())
+            except (OSError, json.JSONDecodeError):
+                continue  # replaced while we read it: atomic writes make this rare
+    files = _sample_files(root, fmt)
+    usable = tokens_total = None
+    for shards in manifests.values():
+        for m in shards.values():
+            usable = (m.get("data") or {}).get("usable", usable)
+            tokens_total = (m.get("data") or {}).get("tokens", tokens_total)
+
+    partitions = []
+    for n in sorted(manifests):
+        by_shard: dict[int, list[os.DirEntry]] = {i: [] for i in range(n)}
+        for idx, e in files.items():
+            by_shard[idx % n].append(e)
+        shards = [_shard(manifests[n].get(i), i, n, by_shard[i], stale_after) for i in range(n)]
+        latest = max((s.updated or "" for s in shards), default="")
+        partitions.append({
+            "count": n,
+            "complete": all(s.state == "complete" for s in shards),
+            "updated": latest,
+            "shards": [asdict(s) for s in shards],
+        })
+    complete = any(p["complete"] for p in partitions)
+    primary = next((p for p in partitions if p["complete"]), None)
+    if primary is None and partitions:
+        primary = max(partitions, key=lambda p: p["updated"])
+    shards = primary["shards"] if primary else []
+    states = [s["state"] for s in shards]
+    done = len(files)
+    return {
+        "dir": str(root),
+        "run_id": run.get("run_id"),
+        "format": fmt,
+        "complete": complete,
+        "partitions": partitions,
+        "totals": {
+            "shards": len(shards),
+            **{k: states.count(k) for k in ("complete", "running", "failed", "missing")},
+            "samples": usable,
+            "done": done,
+            "tokens": sum(s["tokens"] or 0 for s in shards),
+            "tokens_total": tokens_total,
+            "bytes": sum(s["bytes"] for s in shards),
+        },
+    }
+
+
+# --- the command --------------------------------------------------------------------------
+
+
+def _gb(n: int | None) -> str:
+    return "-" if n is None else f"{n / 1e9:.3f} GB"
+
+
+def _frac(a: int | None, b: int | None) -> str:
+    return f"{'-' if a is None else a}/{'?' if b is None else b}"
+
+
+def format_report(r: dict[str, Any]) -> str:
+    t = r["totals"]
+    head = "COMPLETE" if r["complete"] else "NOT COMPLETE"
+    lines = [
+        f"{r['dir']} (run {r['run_id']}): {head}",
+        f"  {t['complete']}/{t['shards']} shards complete, {t['running']} running, "
+        f"{t['failed']} failed, {t['missing']} missing; samples {_frac(t['done'], t['samples'])}"
+        f", tokens {_frac(t['tokens'], t['tokens_total'])}, {_gb(t['bytes'])}",
+    ]
+    if not r["partitions"]:
+        lines.append("  no shard manifest yet")
+    for p in r["partitions"]:
+        lines.append(f"  partition shard.count={p['count']}"
+                     + (" (complete)" if p["complete"] else ""))
+        lines.append(f"    {'shard':>11}  {'state':8}  {'samples':>13}  {'tokens':>21}  "
+                     f"{'data':>12}  host / note")
+        for s in p["shards"]:
+            note = s["reason"] or s["host"] or ""
+            if s["reason"] and s["host"]:
+                note = f"{s['host']}: {s['reason']}"
+            lines.append(
+                f"    {str(s['index']) + '/' + str(s['count']):>11}  {s['state']:8}  "
+                f"{_frac(s['done'], s['samples']):>13}  "
+                f"{_frac(s['tokens'], s['tokens_total']):>21}  {_gb(s['bytes']):>12}  {note}"
+            )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Console script `eagle3-status DIR [--json] [--stale-after S]`."""
+    ap = argparse.ArgumentParser(
+        prog="eagle3-status",
+        description="Per-shard progress of an eagle3-extract output dir. Exit 0 only when "
+                    "the run is complete (1: not complete, 2: not a run dir).")
+    ap.add_argument("dir", help="the job's output.dir")
+    ap.add_argument("--json", action="store_true", help="print the report as JSON")
+    ap.add_argument("--stale-after", type=float, default=STALE_AFTER_S, metavar="S",
+                    help="a running shard not updated for S seconds counts as failed when "
+                         f"its process cannot be checked from here (default {STALE_AFTER_S:.0f})")
+    args = ap.parse_args(argv)
+    try:
+        report = collect(args.dir, args.stale_after)
+    except NotARunDir as e:
+        print(f"eagle3-status: error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(report, indent=2) if args.json else format_report(report))
+    return 0 if report["complete"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
