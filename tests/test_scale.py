@@ -116,17 +116,17 @@ def test_devices_split_per_replica(tmp_path, monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,4,5,GPU-abc")
     cfg = compose_cfg("model.tensor_parallel_size=2", "parallel.data_parallel_size=2",
                       "shard.count=3", "shard.index=1")
-    reps = parallel.plan_replicas(cfg, tmp_path, tmp_path / "logs")
+    reps = parallel.plan_replicas(cfg, tmp_path / "logs")
     assert [r.env["CUDA_VISIBLE_DEVICES"] for r in reps] == ["3,4", "5,GPU-abc"]
     assert [r.shard for r in reps] == [(1, 6), (4, 6)]
     assert [r.log_dir.name for r in reps] == ["replica-0", "replica-1"]
     too_many = compose_cfg("model.tensor_parallel_size=2", "model.pipeline_parallel_size=2",
                            "parallel.data_parallel_size=2")
     with pytest.raises(PreflightError, match=r"parallel\.data_parallel_size=2 x 4 devices"):
-        parallel.plan_replicas(too_many, tmp_path, tmp_path)
+        parallel.plan_replicas(too_many, tmp_path)
     # HF runs one device per replica whatever the model's parallel sizes say
     hf = compose_cfg("engine=hf", "model.tensor_parallel_size=2", "parallel.data_parallel_size=4")
-    assert [r.env["CUDA_VISIBLE_DEVICES"] for r in parallel.plan_replicas(hf, tmp_path, tmp_path)
+    assert [r.env["CUDA_VISIBLE_DEVICES"] for r in parallel.plan_replicas(hf, tmp_path)
             ] == ["3", "4", "5", "GPU-abc"]
 
 
@@ -150,6 +150,18 @@ def test_replica_overrides_replace_shard_and_keep_the_rest(tmp_path):
 
 
 # --- shards and the submitit launcher ----------------------------------------------------
+
+
+def test_launcher_configs_extend_the_plugins_schema():
+    with initialize_config_dir(str(conf_dir()), version_base="1.3"):
+        slurm = compose("config", overrides=["hydra/launcher=slurm",
+                                             "hydra.launcher.partition=gpu"],
+                        return_hydra_config=True).hydra.launcher
+        local = compose("config", overrides=["hydra/launcher=local"],
+                        return_hydra_config=True).hydra.launcher
+    assert slurm._target_.endswith("SlurmLauncher") and local._target_.endswith("LocalLauncher")
+    assert (slurm.tasks_per_node, slurm.gpus_per_node, slurm.partition) == (1, 8, "gpu")
+    assert slurm.max_num_timeout > 0  # requeue is safe: jobs resume from their files
 
 
 def test_submitit_local_two_shard_sweep_equals_unsharded(hf_ref, tmp_path):

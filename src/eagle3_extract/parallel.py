@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .config import PreflightError
+from .config import PreflightError, validate
 from .manifest import manifest_name
 
 log = logging.getLogger("eagle3_extract")
@@ -121,7 +121,7 @@ class Replica:
         return self.log_dir / "console.log"
 
 
-def plan_replicas(cfg: Any, root: Path, log_root: Path) -> list[Replica]:
+def plan_replicas(cfg: Any, log_root: Path) -> list[Replica]:
     """Shards, devices and environment of each replica (raises PreflightError)."""
     n = int(cfg.parallel.data_parallel_size)
     per = devices_per_replica(cfg)
@@ -162,11 +162,11 @@ class _Stopper:
         if self.signum is None:
             self.signum, self.since = signum, time.monotonic()
             log.warning("signal %d: stopping %d replicas", signum, len(self.replicas))
-            self._send(signal.SIGINT)
+            self.send(signal.SIGINT)
         else:
             self.kill()
 
-    def _send(self, sig: int) -> None:
+    def send(self, sig: int) -> None:
         for r in self.replicas:
             if r.proc is not None and r.proc.poll() is None:
                 try:
@@ -177,7 +177,7 @@ class _Stopper:
     def kill(self) -> None:
         if not self.killed:
             self.killed = True
-            self._send(signal.SIGKILL)
+            self.send(signal.SIGKILL)
 
     def tick(self) -> None:
         if self.signum is not None and time.monotonic() - self.since > STOP_GRACE_S:
@@ -228,9 +228,10 @@ def launch(cfg: Any, overrides: list[str], log_root: Path) -> int:
 
     t0 = time.perf_counter()
     n = int(cfg.parallel.data_parallel_size)
-    plan = preflight(cfg)  # the job's whole shard: raises PreflightError, exit 2
+    validate(cfg)
+    replicas = plan_replicas(cfg, log_root)  # enough devices? (PreflightError, exit 2)
+    plan = preflight(cfg)  # the job's whole shard, once
     root = plan.root
-    replicas = plan_replicas(cfg, root, log_root)
     log.info("preflight ok: %d samples for this job (%d to do); %d replicas of shard %d/%d",
              len(plan.mine), len(plan.todo), n, int(cfg.shard.index), int(cfg.shard.count))
     del plan
@@ -247,6 +248,7 @@ def launch(cfg: Any, overrides: list[str], log_root: Path) -> int:
             log.info("replica %d: pid %d, shard %d/%d, devices %s, log %s", r.rank, r.proc.pid,
                      *r.shard, dev or "-", r.console)
             if stopper.signum is not None:
+                stopper.send(signal.SIGINT)  # also reaches one started during the signal
                 break
         last = time.monotonic()
         while any(r.proc is not None and r.rc is None for r in replicas):
