@@ -11,6 +11,8 @@ bandwidth, and where the vLLM driver's time goes per RPC.
 
 from __future__ import annotations
 
+import dataclasses
+
 import os
 import queue
 import statistics
@@ -70,7 +72,7 @@ def extract_disk(engine: Any, batches: list[Batch], root: Path, threads: int,
             landed.append((time.perf_counter(), sum(len(s) for s in eb.samples)))
             eb.release()
 
-        return ExtractedBatch(eb.samples, eb.states, release, eb.seconds)
+        return dataclasses.replace(eb, release=release)  # keeps finite_checked etc.
 
     try:
         for b in batches:
@@ -97,7 +99,7 @@ def writer_only(engine: Any, held: list[ExtractedBatch], root: Path, threads: in
     writer = new_writer(engine, root, threads, max_pending)
     try:
         for eb in held:
-            writer.submit(ExtractedBatch(eb.samples, eb.states))
+            writer.submit(dataclasses.replace(eb, release=lambda: None))
     finally:
         writer.close()
     return {"bytes": writer.bytes, "files": writer.written}
@@ -109,7 +111,8 @@ def hold_states(engine: Any, batches: list[Batch]) -> list[ExtractedBatch]:
     for b in batches:
         eb = engine.extract(b)
         try:
-            held.append(ExtractedBatch(eb.samples, [s.clone() for s in eb.states]))
+            held.append(dataclasses.replace(eb, states=[s.clone() for s in eb.states],
+                                            release=lambda: None))
         finally:
             eb.release()
     return held

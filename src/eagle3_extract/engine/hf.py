@@ -96,7 +96,7 @@ class HFEngine:
     def extract(self, batch: Batch) -> ExtractedBatch:
         t0 = time.perf_counter()
         host, release = self._acquire(sum(len(s) for s in batch.samples))
-        states, row = [], 0
+        states, finite, row = [], [], 0
         for sample in batch.samples:
             self._captured.clear()
             ids = torch.tensor([sample.input_ids], device=self.device)
@@ -112,14 +112,19 @@ class HFEngine:
                     f"sample {sample.index}: captured {tuple(out.shape)}, expected "
                     f"({len(sample)}, {len(self.layer_ids)}, {self.hidden_size})"
                 )
+            finite.append(torch.isfinite(out).all())  # on the device; read once below
             view = host[row : row + len(sample)]
             view.copy_(out, non_blocking=view.is_pinned())
             states.append(view)
             row += len(sample)
         if self.device.type == "cuda":
             torch.cuda.synchronize()
+        bad = [s.index for s, ok in zip(batch.samples, torch.stack(finite).tolist()) if not ok]
+        if bad:
+            release()
+            raise RuntimeError(f"NaN or Inf in the hidden states of samples {bad}")
         return ExtractedBatch(batch.samples, states, release=release,
-                              seconds=time.perf_counter() - t0)
+                              seconds=time.perf_counter() - t0, finite_checked=True)
 
     def close(self) -> None:
         for h in self._hooks:
