@@ -20,6 +20,7 @@ import json
 import os
 import socket
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +30,8 @@ FORMAT_VERSION = 1
 
 
 def write_json_atomic(path: Path, obj: Any) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    # pid alone is not unique: pods of a Kubernetes Job often all run as pid 1.
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
     with open(tmp, "w", encoding="utf-8") as f:
         json.dump(obj, f, indent=2, sort_keys=False, default=str)
         f.write("\n")

@@ -49,7 +49,7 @@ def finished_indices(root: Path, fmt: str) -> set[int]:
             continue
         for entry in os.scandir(sub):
             name = entry.name
-            if name.endswith(ext) and name[: -len(ext)].isdigit():
+            if name.endswith(ext) and name[: -len(ext)].isdigit() and entry.is_file():
                 done.add(int(name[: -len(ext)]))
     return done
 
