@@ -3,6 +3,8 @@ HF reference, and the invariants that guard against silent truncation."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -78,10 +80,13 @@ def test_after_the_layer_convention_fails_the_same_check(arch_engines):
 @pytest.fixture(scope="module")
 def fp32_engine():
     # float32 makes batch composition numerically irrelevant: any difference is a bug.
+    cores = os.sched_getaffinity(0)
     engine = make_engine("vllm", [1, 4, 5, 8], dtype="float32", max_num_seqs=4,
                          token_budget=2048, host_buffers=2)
     yield engine
     engine.close()
+    # The in-process CPU worker pins this process to its cores; close() undoes it.
+    assert os.sched_getaffinity(0) == cores
 
 
 def extract_alone(engine, samples):

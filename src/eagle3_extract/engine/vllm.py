@@ -9,6 +9,7 @@ done with it.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from typing import Any
@@ -68,6 +69,9 @@ class VllmEngine:
             engine_kwargs["compilation_config"] = {"custom_ops": ["none"]}
         engine_kwargs.update(dict(getattr(e, "vllm_args", None) or {}))
         self.max_model_len = int(m.max_model_len)
+        # The CPU worker of the in-process (uni) executor pins this process to its
+        # cores; undone in close() so later jobs, writers and children get them all.
+        self._affinity = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
         self.generator = VllmHiddenStatesGenerator(
             info.path,
             layer_ids=self.layer_ids,
@@ -131,6 +135,8 @@ class VllmEngine:
         from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
 
         cleanup_dist_env_and_memory()
+        if self._affinity:
+            os.sched_setaffinity(0, self._affinity)
 
 
 def _once(fn):
