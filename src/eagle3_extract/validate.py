@@ -638,13 +638,18 @@ def print_report(report: dict[str, Any], out=None, limit: int = 40) -> None:
                 print(f"    {k:>4}: mean {v['mean_norm']:.4g} std {v['std_norm']:.4g}  "
                       f"(file means {v['file_mean_min']:.4g}..{v['file_mean_max']:.4g})", file=out)
     for kind in ("problems", "warnings"):
-        items = report[kind]
-        if items:
-            print(f"  {len(items)} {kind}:", file=out)
-            for p in items[:limit]:
-                print(f"    {p['where']}: {p['code']}: {p['message']}", file=out)
-            if len(items) > limit:
-                print(f"    ... and {len(items) - limit} more (see the JSON report)", file=out)
+        print_items(kind, [f"{p['where']}: {p['code']}: {p['message']}" for p in report[kind]],
+                    limit, out)
+
+
+def print_items(kind: str, lines: list[str], limit: int, out: Any) -> None:
+    """A report's list, cut at `limit` lines (the JSON report has them all)."""
+    if lines:
+        print(f"  {len(lines)} {kind}:", file=out)
+        for line in lines[:limit]:
+            print(f"    {line}", file=out)
+        if len(lines) > limit:
+            print(f"    ... and {len(lines) - limit} more (see the JSON report)", file=out)
 
 
 def write_report(root: Path, name: str, report: dict[str, Any]) -> Path | None:

@@ -50,6 +50,7 @@ from .validate import (
     expectation,
     load_manifests,
     load_sample,
+    print_items,
     scan_tree,
     states_tensor,
     write_report,
@@ -553,13 +554,7 @@ def print_report(report: dict[str, Any], out=None, limit: int = 40) -> None:
         for k, v in r["per_layer"].items():
             print(f"    {k:>4}: {v['median']} / {v['mean']} / {v['max']}", file=out)
     for kind in ("warnings", "failures"):
-        items = report[kind]
-        if items:
-            print(f"  {len(items)} {kind}:", file=out)
-            for f in items[:limit]:
-                print(f"    {f}", file=out)
-            if len(items) > limit:
-                print(f"    ... and {len(items) - limit} more (see the JSON report)", file=out)
+        print_items(kind, [str(f) for f in report[kind]], limit, out)
 
 
 def main(argv: list[str] | None = None) -> int:
