@@ -17,16 +17,11 @@ if [[ ! -d /tmp/site/hydra ]]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
     .gpu-bundle/whlC/*.whl || exit 3
 fi
+# The engine is ours (src/eagle3_extract/engine/): speculators is not needed for the bench.
 export PYTHONPATH=/tmp/site:$PWD/src VLLM_WORKER_MULTIPROC_METHOD=spawn PYTHONUNBUFFERED=1
-if command -v patch > /dev/null; then
-  python3 -m eagle3_extract.patching apply --target /tmp/site 2>&1 | tail -1
-else  # no patch(1) in the image: the series applied here beforehand (eagle3-patches apply)
-  cp -r .gpu-bundle/spec-patched/speculators /tmp/site/
-fi
-python3 -m eagle3_extract.patching check --target /tmp/site || exit 4
 
 # The shared host buffer (3 slots x 33,792 rows x 4 x 4096 bf16 = 3.3 GB) lives in /dev/shm.
-if (($(df --output=avail -B1G /dev/shm | tail -1) < 8)); then export SPECULATORS_SHM_DIR=/tmp; fi
+if (($(df --output=avail -B1G /dev/shm | tail -1) < 8)); then export EAGLE3_SHM_DIR=/tmp; fi
 # Outputs on a disk, not tmpfs (that would measure RAM).
 dir=/var/tmp/eagle3-bench
 [[ $(findmnt -no FSTYPE -T /var/tmp) == tmpfs ]] && dir=$PWD/.bench-out

@@ -7,7 +7,6 @@ build_engine, plan_batches), so the figures are those of the production path.
 from __future__ import annotations
 
 import hashlib
-import json
 import shutil
 import tempfile
 from contextlib import contextmanager
@@ -136,10 +135,6 @@ def load_data(args: Any, info: Any, config: dict, max_length: int) -> tuple[Toke
 def make_batches(data: Tokenized, budget: int, max_num_seqs: int) -> list:
     """Length-sorted batches under the token budget, as the job plans them."""
     return list(iter_batches(data, plan_batches(data.lengths, budget, max_num_seqs)))
-
-
-def read_config(path: str) -> dict:
-    return json.loads((Path(path) / "config.json").read_text())
 
 
 def clear_dir(path: Path) -> None:

@@ -12,7 +12,6 @@ bandwidth, and where the vLLM driver's time goes per RPC.
 from __future__ import annotations
 
 import dataclasses
-
 import os
 import queue
 import statistics
@@ -25,8 +24,10 @@ from typing import Any, Callable
 
 import torch
 
+from eagle3_extract.job import extraction_loop
+from eagle3_extract.layout import DATA_DIR
 from eagle3_extract.types import Batch, ExtractedBatch
-from eagle3_extract.writer import DATA_DIR, Writer
+from eagle3_extract.writer import Writer
 
 FILES_PER_DIR = 10000
 
@@ -54,43 +55,25 @@ def new_writer(engine: Any, root: Path, threads: int, max_pending: int) -> Write
 
 def extract_disk(engine: Any, batches: list[Batch], root: Path, threads: int,
                  max_pending: int) -> dict:
-    """The job's loop (cli.extract): extract, submit, and close (drain) at the end.
+    """The job's own loop (job.extraction_loop): extract, submit, drain at the end.
 
-    Also splits the wall time (in engine.extract; blocked in submit because every
-    slot is in flight; draining the writer after the last batch) and records when
-    each batch's last file landed: `steady_tok_s`, tokens over the time between the
-    first and the last batch landing, is the pipeline's rate once full, which is what
-    a job of thousands of batches sees. The wall figure also holds the fill and the
-    drain, a whole batch's write or more, which a run of a few batches cannot amortise.
+    It splits the wall time (in engine.extract; blocked in submit because every
+    slot is in flight; draining the writer after the last batch), and the Writer
+    records when each batch's last file landed: `steady_tok_s`, tokens over the time
+    between the first and the last batch landing, is the pipeline's rate once full,
+    which is what a job of thousands of batches sees. The wall figure also holds the
+    fill and the drain, a whole batch's write or more, which a run of a few batches
+    cannot amortise.
     """
     writer = new_writer(engine, root, threads, max_pending)
-    split = {"extract_s": 0.0, "submit_s": 0.0, "drain_s": 0.0}
-    landed: list[tuple[float, int]] = []
-
-    def tracked(eb: ExtractedBatch) -> ExtractedBatch:
-        def release() -> None:
-            landed.append((time.perf_counter(), sum(len(s) for s in eb.samples)))
-            eb.release()
-
-        return dataclasses.replace(eb, release=release)  # keeps finite_checked etc.
-
-    try:
-        for b in batches:
-            t0 = time.perf_counter()
-            eb = engine.extract(b)
-            t1 = time.perf_counter()
-            writer.submit(tracked(eb))
-            split["extract_s"] += t1 - t0
-            split["submit_s"] += time.perf_counter() - t1
-    finally:
-        t0 = time.perf_counter()
-        writer.close()
-        split["drain_s"] = time.perf_counter() - t0
-    landed.sort()
+    times = extraction_loop(engine, writer, batches)
+    landed = sorted(writer.landed)
     steady = None
     if len(landed) > 1:
         steady = sum(n for _, n in landed[1:]) / (landed[-1][0] - landed[0][0])
-    return {"bytes": writer.bytes, "files": writer.written, "steady_tok_s": steady, **split}
+    return {"bytes": writer.bytes, "files": writer.written, "steady_tok_s": steady,
+            "extract_s": times.extract_s, "submit_s": times.submit_s,
+            "drain_s": times.drain_s}
 
 
 def writer_only(engine: Any, held: list[ExtractedBatch], root: Path, threads: int,
@@ -190,13 +173,13 @@ def d2h_bandwidth(nbytes: int = 1 << 30, repeats: int = 5) -> dict | None:
 
 @contextmanager
 def rpc_timer(engine: Any):
-    """Seconds per vLLM executor RPC (execute_model, sample_tokens, _flush_to_host, ...).
+    """Seconds per vLLM executor RPC (execute_model, sample_tokens, capture_flush, ...).
 
-    Wraps the generator's executor.collective_rpc on this instance only; yields a
+    Wraps the engine's executor.collective_rpc on this instance only; yields a
     dict that fills as calls are made. Nothing for engines without an executor.
     """
     totals: dict[str, float] = defaultdict(float)
-    executor = getattr(getattr(engine, "generator", None), "executor", None)
+    executor = getattr(engine, "executor", None)
     if executor is None:
         yield totals
         return

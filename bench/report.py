@@ -11,6 +11,8 @@ from typing import Any
 
 import torch
 
+from eagle3_extract.model import text_config
+
 FLOPS_FORMULA = (
     "flops_per_token = 2 * P + 4 * n_layers * n_heads * head_dim * c; P = parameters of the "
     "decoder layers and final norm (no embedding, no LM head: neither engine computes logits "
@@ -97,7 +99,7 @@ def machine(out_dir: Path, gpu: bool) -> dict:
 
 
 def model_shape(config: dict) -> dict:
-    c = config.get("text_config") or config
+    c = text_config(config)
     heads = c.get("num_attention_heads")
     hidden = c.get("hidden_size")
     return {

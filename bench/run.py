@@ -34,6 +34,7 @@ import report
 import torch
 
 from eagle3_extract.engine import build_engine, inspect_model, resolve_layer_ids
+from eagle3_extract.model import read_config
 
 ROOT = Path(__file__).resolve().parents[1]
 TARGET = 0.95
@@ -153,7 +154,7 @@ def main(argv: list[str] | None = None) -> dict:
     started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
     path, tiny = inputs.model_dir(args.model)
     info = inspect_model(inputs.job_config(args, path, tiny, args.max_model_len).model)
-    config = inputs.read_config(info.path)
+    config, _ = read_config(info.path)
     shape = report.model_shape(config)
     layer_ids = resolve_layer_ids(args.layers, info.num_layers)
     data, data_desc = inputs.load_data(args, info, config,
@@ -278,7 +279,7 @@ def run_breakdown(engine, batches, root, threads, pending, repeats) -> dict:
     ntok = phases.tokens(batches)
     out: dict = {}
     for name, fn in (("prefill", phases.prefill), ("extract_host", phases.extract_host)):
-        if hasattr(engine, "generator"):
+        if hasattr(engine, "executor"):
             with phases.rpc_timer(engine) as rpcs:
                 seconds, _ = phases.timed(lambda: fn(engine, batches))
             out[f"{name}_rpc_s"] = {"total_s": seconds, **dict(rpcs)}

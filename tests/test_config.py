@@ -117,3 +117,24 @@ def test_conf_dir_env_override(monkeypatch, tmp_path):
     assert conf_dir() == tmp_path.resolve()
     monkeypatch.delenv("EAGLE3_CONF_DIR")
     assert (conf_dir() / "config.yaml").is_file()
+
+
+def _presets() -> list[str]:
+    return sorted(p.stem for p in (conf_dir() / "experiment").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("preset", _presets())
+def test_every_experiment_preset_composes_and_validates(preset):
+    c = cfg_for(f"experiment={preset}")
+    validate(c)
+    OmegaConf.to_container(c, resolve=True, throw_on_missing=True)
+
+
+def test_kimi_k25_chat_is_the_headline_job():
+    assert "kimi_k25_chat" in _presets()
+    c = cfg_for("experiment=kimi_k25_chat")
+    assert (c.model.name, c.model.tensor_parallel_size, c.model.trust_remote_code) == (
+        "kimi_k25_int4", 8, True)
+    assert (c.layers.name, c.layers.ids) == ("eagle3", None)  # default EAGLE-3 layers
+    assert c.dataset.max_length == c.model.max_model_len - 1
+    assert c.engine.token_budget >= c.dataset.max_length

@@ -148,7 +148,8 @@ def test_hf_end_to_end_files_manifest_token_freq(hf_run):
 
 
 def test_rerun_resumes_nothing_and_refuses_a_different_config(hf_run):
-    from eagle3_extract.cli import extract, preflight
+    from eagle3_extract.job import preflight
+    from eagle3_extract.job import run as extract
 
     out, _, _ = hf_run
     before = {p: p.stat().st_mtime_ns for p in data_files(out).values()}
@@ -188,10 +189,10 @@ def no_template_tokenizer(tmp_path: Path) -> Path:
 @pytest.mark.parametrize("case", [
     "dataset_missing", "dataset_empty", "no_chat_template", "layer_out_of_range",
     "layers_not_increasing", "output_not_writable", "token_budget", "model_path",
-    "config_value",
+    "config_value", "vllm_arg_typo", "vllm_arg_ours", "vllm_arg_truncates",
 ])
 def test_preflight_errors_name_the_key(case, tmp_path, offline):
-    from eagle3_extract.cli import preflight
+    from eagle3_extract.job import preflight
 
     out = tmp_path / "out"
     (tmp_path / "empty.jsonl").write_text("\n")
@@ -212,15 +213,44 @@ def test_preflight_errors_name_the_key(case, tmp_path, offline):
         "token_budget": (["engine.token_budget=100"], r"engine\.token_budget=100"),
         "model_path": (["model.path=/nonexistent/model"], r"model\.path='/nonexistent/model'"),
         "config_value": (["dataset.overlong=drop"], r"dataset\.overlong='drop'"),
+        "vllm_arg_typo": (["engine=vllm", "+engine.vllm_args.max_num_partial_prefils=2"],
+                          r"engine\.vllm_args\.max_num_partial_prefils is not a vLLM.*"
+                          r"did you mean max_num_partial_prefills"),
+        "vllm_arg_ours": (["engine=vllm", "+engine.vllm_args.tensor_parallel_size=2"],
+                          r"engine\.vllm_args\.tensor_parallel_size: set "
+                          r"model\.tensor_parallel_size"),
+        "vllm_arg_truncates": (["engine=vllm", "+engine.vllm_args.enable_prefix_caching=true"],
+                               r"engine\.vllm_args\.enable_prefix_caching=True is not "
+                               r"supported"),
     }[case]
-    cfg = compose_cfg("engine=hf", f"output.dir={out}", *overrides)
+    engine = [] if any(o.startswith("engine=") for o in overrides) else ["engine=hf"]
+    cfg = compose_cfg(*engine, f"output.dir={out}", *overrides)
     with pytest.raises(PreflightError, match=match):
         preflight(cfg)
     assert not (out / "run.json").exists()
 
 
+def test_nested_vllm_args_reach_vllm_as_plain_values(tmp_path, offline):
+    """A nested override (attention_config={backend: ...}) was a DictConfig that vLLM's
+    pydantic configs refused at engine start; now plain dicts, accepted by EngineArgs."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    from eagle3_extract.engine.vllm import engine_args
+    from eagle3_extract.model import inspect_model
+
+    cfg = compose_cfg("engine=vllm", f"output.dir={tmp_path}/out",
+                      "+engine.vllm_args.attention_config={backend:CPU_ATTN}",
+                      "+engine.vllm_args.block_size=32")
+    args = engine_args(cfg, inspect_model(cfg.model))
+    assert type(args["attention_config"]) is dict and args["block_size"] == 32
+    vc = EngineArgs(**args).create_engine_config()
+    assert vc.attention_config.backend.name == "CPU_ATTN" and vc.cache_config.block_size == 32
+    assert not vc.cache_config.enable_prefix_caching
+    assert not vc.scheduler_config.enable_chunked_prefill
+
+
 def test_preflight_disk_space(tmp_path, offline):
-    from eagle3_extract.cli import preflight
+    from eagle3_extract.job import preflight
 
     mnt = tmp_path / "small"
     mnt.mkdir()
@@ -247,7 +277,7 @@ def test_preflight_failure_exits_2_fast_without_traceback(tmp_path):
 
 
 def test_two_shards_share_one_directory(tmp_path, offline):
-    from eagle3_extract.cli import extract
+    from eagle3_extract.job import run as extract
 
     out = tmp_path / "out"
     base = ["engine=hf", f"output.dir={out}", "dataset.max_samples=5",

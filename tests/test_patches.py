@@ -104,15 +104,15 @@ def test_a_hunk_that_does_not_apply_names_patch_and_hunk_and_changes_nothing(
         fresh_target, tmp_path):
     broken = tmp_path / "patches"
     shutil.copytree(PATCHES, broken)
-    victim = broken / "0003-capture-with-hooks-vllm-convention.patch"
+    victim = broken / "0001-verifier-norm-before-lm-head.patch"
     text = victim.read_text()
-    # Corrupt one context line of the first hunk of the second file.
-    i = text.index("\n ", text.index("+++ b/speculators/data_generation/vllm_hidden"))
+    # Corrupt one context line of the first hunk.
+    i = text.index("\n ", text.index("+++ b/speculators/models/eagle3/core.py"))
     victim.write_text(text[: i + 2] + "XX" + text[i + 2:])
     before = file_hashes(fresh_target)
     res = run_cli("apply", "--target", str(fresh_target), "--patches", str(broken))
     assert res.returncode != 0
-    assert "0003-capture-with-hooks-vllm-convention.patch does not apply" in res.stderr
+    assert "0001-verifier-norm-before-lm-head.patch does not apply" in res.stderr
     assert "Hunk #" in res.stderr
     assert file_hashes(fresh_target) == before  # the dry run protected the install
     assert patching.load_manifest(fresh_target) is None
@@ -132,27 +132,62 @@ def test_unlisted_or_missing_patch_is_an_error(tmp_path):
 
 def test_check_detects_a_modified_patched_file(fresh_target):
     assert run_cli("apply", "--target", str(fresh_target)).returncode == 0
-    f = fresh_target / "speculators/data_generation/custom_worker.py"
+    f = fresh_target / "speculators/models/eagle3/core.py"
     f.write_text(f.read_text() + "\n# local edit\n")
     res = run_cli("check", "--target", str(fresh_target))
     assert res.returncode != 0 and "changed since" in res.stderr
 
 
-UNPATCHED_RUN = """
-import sys
-from speculators.data_generation import VllmHiddenStatesGenerator
+DRAFTER_NORM = """
+import sys, torch
 import speculators
 assert speculators.__file__.startswith(sys.argv[2]), speculators.__file__
-VllmHiddenStatesGenerator(sys.argv[1], layer_ids=[1, 2], max_model_len=256)
+from transformers import AutoConfig, LlamaConfig
+from speculators.config import SpeculatorsConfig, VerifierConfig
+from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
+from speculators.proposals.greedy import GreedyTokenProposalConfig
+vc = AutoConfig.from_pretrained(sys.argv[1])
+layer = LlamaConfig(hidden_size=vc.hidden_size, intermediate_size=vc.intermediate_size,
+                    num_attention_heads=vc.num_attention_heads, num_hidden_layers=1,
+                    num_key_value_heads=vc.num_key_value_heads, vocab_size=vc.vocab_size,
+                    rms_norm_eps=vc.rms_norm_eps, head_dim=getattr(vc, "head_dim", None))
+cfg = Eagle3SpeculatorConfig(
+    transformer_layer_config=layer, draft_vocab_size=vc.vocab_size,
+    speculators_config=SpeculatorsConfig(
+        algorithm="eagle3", proposal_methods=[GreedyTokenProposalConfig()],
+        default_proposal_method="greedy",
+        verifier=VerifierConfig(name_or_path=sys.argv[1], architectures=vc.architectures)))
+m = Eagle3DraftModel(cfg, t2d=torch.ones(vc.vocab_size, dtype=torch.bool),
+                     d2t=torch.zeros(vc.vocab_size, dtype=torch.long))
+x = torch.load(sys.argv[3])
+torch.save(m.verifier_norm(x) if hasattr(m, "verifier_norm") else None, sys.argv[4])
 """
 
 
-@pytest.mark.engine
-def test_unpatched_speculators_fails_on_vllm_016(fresh_target, tiny_paths, tmp_path):
-    """Proof that the patches are what make it work."""
-    env = dict(os.environ, PYTHONPATH=f"{fresh_target}{os.pathsep}" + os.environ.get("PYTHONPATH", ""))
-    res = subprocess.run([sys.executable, "-c", UNPATCHED_RUN, str(tiny_paths["llama"]),
-                          str(fresh_target)], capture_output=True, text=True, env=env,
-                         timeout=600, cwd=tmp_path)
-    assert res.returncode != 0
-    assert "is_encoder_decoder" in res.stderr, res.stderr[-2000:]
+def test_trainer_targets_go_through_the_verifier_norm(fresh_target, tiny_paths, tmp_path):
+    """speculators 0.3.0 computes targets as lm_head(last state); the patch adds the final
+    norm that vLLM-captured (pre-norm) states need, with the verifier's own weights."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(tiny_paths["llama"], dtype=torch.float32)
+    with torch.no_grad():  # a norm weight of all ones (random init) would hide a wrong one
+        hf.model.norm.weight.copy_(torch.rand_like(hf.model.norm.weight) + 0.5)
+    verifier = tmp_path / "verifier"
+    hf.save_pretrained(verifier)
+    x = torch.randn(7, hf.config.hidden_size) * 3
+    torch.save(x, tmp_path / "x.pt")
+    want = hf.model.norm(x)
+
+    def drafter_norm(site: Path):
+        env = dict(os.environ, PYTHONPATH=f"{site}{os.pathsep}" + os.environ.get("PYTHONPATH", ""))
+        res = subprocess.run([sys.executable, "-c", DRAFTER_NORM, str(verifier), str(site),
+                              str(tmp_path / "x.pt"), str(tmp_path / "y.pt")],
+                             capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path)
+        assert res.returncode == 0, res.stderr[-2000:]
+        return torch.load(tmp_path / "y.pt")
+
+    assert drafter_norm(fresh_target) is None  # unpatched: no norm before verifier_lm_head
+    assert run_cli("apply", "--target", str(fresh_target)).returncode == 0
+    got = drafter_norm(fresh_target)
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-5), (got - want).abs().max()

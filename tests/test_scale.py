@@ -24,6 +24,7 @@ from hydra import compose, initialize_config_dir
 from safetensors import safe_open
 
 from eagle3_extract import parallel, status
+from eagle3_extract.manifest import Manifest
 from eagle3_extract.config import ConfigError, PreflightError, conf_dir, validate
 
 BIN = Path(sys.executable).parent
@@ -89,7 +90,7 @@ def offline(monkeypatch):
 
 @pytest.fixture(scope="module")
 def hf_ref(tmp_path_factory):
-    from eagle3_extract.cli import extract
+    from eagle3_extract.job import run as extract
 
     out = tmp_path_factory.mktemp("hf_ref") / "out"
     extract(compose_cfg(*HF, f"output.dir={out}"))
@@ -184,7 +185,7 @@ def test_submitit_local_two_shard_sweep_equals_unsharded(hf_ref, tmp_path):
 
 
 def test_half_finished_run_status_then_each_shard_resumes(hf_ref, tmp_path, offline):
-    from eagle3_extract.cli import extract
+    from eagle3_extract.job import run as extract
 
     out = tmp_path / "out"
     odd = lambda: {i for i in data_files(out) if i % 2}  # noqa: E731 - shard 1/2's files
@@ -238,9 +239,10 @@ def test_half_finished_run_status_then_each_shard_resumes(hf_ref, tmp_path, offl
     assert "NOT COMPLETE" in text and "is gone" in text
     # the same manifest seen from where its pid cannot be checked: stale after a while
     m["process"]["host"] = "elsewhere"
-    entries = list(status._sample_files(out, "safetensors").values())
-    assert status._shard(m, 1, 2, entries, 1e9).state == "running"
-    assert "stale" in status._shard(m, 1, 2, entries, 0.0).reason
+    entries = list(status.sample_files(out, "safetensors").values())
+    man = Manifest.from_dict(m)
+    assert status._shard(man, 1, 2, entries, 1e9).state == "running"
+    assert "stale" in status._shard(man, 1, 2, entries, 0.0).reason
 
     assert odd() == {1, 5}
     m = extract(compose_cfg(*HF, f"output.dir={out}", "shard.count=2", "shard.index=1"))
@@ -252,9 +254,11 @@ def test_half_finished_run_status_then_each_shard_resumes(hf_ref, tmp_path, offl
 
 
 def test_status_reads_the_writer_layout():
-    from eagle3_extract import writer
+    from eagle3_extract import layout, writer
 
-    assert (status.DATA_DIR, status.EXTENSIONS) == (writer.DATA_DIR, writer.EXTENSIONS)
+    # One definition: status scans with the layout module, the writer names files with it.
+    assert status.sample_files is layout.sample_files
+    assert writer.sample_path is layout.sample_path and writer.EXTENSIONS is layout.EXTENSIONS
 
 
 def test_status_of_a_dir_without_run_is_an_error(tmp_path):
@@ -290,6 +294,21 @@ def test_two_vllm_replicas_equal_the_unsharded_run(vllm_ref, tmp_path):
     logs = sorted(p.parent.name for p in (out / "logs").glob("*/replica-*/extract.log"))
     assert logs == ["replica-0", "replica-1"]
     assert status_of(out)[0] == 0
+    # the dataset was tokenized once, by the launcher; each replica loaded that set
+    for p in (out / "logs").glob("*/replica-*/extract.log"):
+        assert "samples from the launcher's tokenized set" in p.read_text()
+
+
+def test_a_tokenized_set_of_another_run_is_refused(tmp_path, offline, monkeypatch):
+    from eagle3_extract.job import TOKENIZED_ENV, preflight
+
+    plan = preflight(compose_cfg(*HF, f"output.dir={tmp_path}/a"))
+    plan.mine.save(tmp_path / "t.npz", plan.ident["run_id"])
+    monkeypatch.setenv(TOKENIZED_ENV, str(tmp_path / "t.npz"))
+    same = preflight(compose_cfg(*HF, f"output.dir={tmp_path}/b"))
+    assert (same.mine.indices == plan.mine.indices).all() and (same.mine.ids == plan.mine.ids).all()
+    with pytest.raises(PreflightError, match=f"{TOKENIZED_ENV}=.*tokenized for"):
+        preflight(compose_cfg(*HF, f"output.dir={tmp_path}/c", "dataset.seed=3"))
 
 
 def test_preflight_runs_once_in_the_parent_and_fails_fast(tmp_path, offline):
@@ -323,7 +342,7 @@ def test_ctrl_c_stops_every_replica(tmp_path, offline, caplog):
 
 def test_a_replica_dies_with_its_launcher(tmp_path):
     """A SIGKILLed launcher leaves no replica behind (holding GPUs, racing a rerun)."""
-    replica = ("from eagle3_extract.parallel import _die_with_parent; _die_with_parent(); "
+    replica = ("from eagle3_extract.parallel import die_with_launcher; die_with_launcher(); "
                "import time; print('armed', flush=True); time.sleep(120)")
     launcher = ("import os, subprocess, sys, time; "
                 f"os.environ['{parallel.PARENT_ENV}'] = str(os.getpid()); "

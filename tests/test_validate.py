@@ -27,7 +27,7 @@ OVERRIDES = ["dataset.max_samples=6", "model.max_model_len=1024", "engine.token_
 
 def extract_tiny(root: Path, *overrides: str) -> dict:
     """A real `eagle3-extract` run (default engine: vLLM), in this process."""
-    from eagle3_extract.cli import extract
+    from eagle3_extract.job import run as extract
     from eagle3_extract.config import conf_dir
 
     with initialize_config_dir(str(conf_dir()), version_base="1.3"):
@@ -206,7 +206,7 @@ def test_unfinished_run_and_unreadable_file(copy):
 
 def split_into_shards(root: Path, count: int = 2) -> None:
     """Rewrite a one-job run as `count` shard manifests, as data parallelism writes them."""
-    from eagle3_extract.cli import token_frequencies
+    from eagle3_extract.token_freq import of_tokenized as token_frequencies
     from eagle3_extract.data import Tokenized
 
     m = json.loads((root / "manifest.json").read_text())

@@ -18,6 +18,7 @@ from safetensors.torch import save_file
 
 from conftest import make_engine
 from eagle3_extract import verify
+from eagle3_extract.manifest import Manifest
 from eagle3_extract.types import Batch, Sample
 from test_validate import extract_tiny, load_st, rewrite, sample_file
 
@@ -35,11 +36,11 @@ def clean(tmp_path_factory) -> Path:
 def refs(clean):
     from eagle3_extract.engine import inspect_model
 
-    manifest = json.loads((clean / "manifest.json").read_text())
+    manifest = Manifest.read(clean / "manifest.json")
     cfg = verify.build_config(manifest, [])
     info = inspect_model(cfg.model)
-    built = [verify.HFReference(cfg, info, manifest["layer_ids"]),
-             verify.VllmAuxReference(cfg, info, manifest["layer_ids"])]
+    built = [verify.HFReference(cfg, info, manifest.layer_ids),
+             verify.VllmAuxReference(cfg, info, manifest.layer_ids)]
     yield built
     for r in built:
         r.close()

@@ -19,6 +19,8 @@ from typing import Any, Dict, List, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
 
+from .errors import ConfigError, PreflightError  # noqa: F401 - re-exported
+
 ASSETS = Path(__file__).resolve().parent / "assets"
 
 OVERLONG_POLICIES = ("truncate", "skip")
@@ -27,12 +29,6 @@ ENGINES = ("vllm", "hf")
 DATASET_FORMATS = ("auto", "jsonl", "json", "parquet", "hub")
 
 
-class PreflightError(Exception):
-    """A problem found before the engine starts; the message names the key to change."""
-
-
-class ConfigError(PreflightError):
-    """A config value is out of range or not one of the allowed choices."""
 
 
 @dataclass
@@ -117,6 +113,7 @@ class Config:
     engine: EngineConfig = field(default_factory=EngineConfig)
     shard: ShardConfig = field(default_factory=ShardConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    dry_run: bool = False  # preflight only: check everything, extract nothing
 
 
 def conf_dir() -> Path:

@@ -359,6 +359,25 @@ class Tokenized:
             truncated=bool(self.truncated[j]),
         )
 
+    def save(self, path: Path, key: str) -> None:
+        """Write atomically, tagged with `key` (the run identity it was made under)."""
+        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+        with open(tmp, "wb") as f:
+            np.savez(f, indices=self.indices, offsets=self.offsets, ids=self.ids,
+                     mask=self.mask, truncated=self.truncated,
+                     meta=np.array(json.dumps({"key": key, "report": self.report})))
+        os.replace(tmp, path)
+
+    @classmethod
+    def load(cls, path: Path, key: str) -> "Tokenized":
+        """The set `save` wrote under the same `key`; ValueError for any other."""
+        with np.load(path) as z:
+            meta = json.loads(str(z["meta"]))
+            if meta.get("key") != key:
+                raise ValueError(f"{path} was tokenized for {meta.get('key')}, not {key}")
+            return cls(z["indices"], z["offsets"], z["ids"], z["mask"], z["truncated"],
+                       meta["report"])
+
     def select(self, keep: np.ndarray) -> "Tokenized":
         """The samples at positions `keep` (a boolean mask over usable samples)."""
         pos = np.flatnonzero(keep)

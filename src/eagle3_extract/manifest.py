@@ -21,17 +21,88 @@ import os
 import socket
 import time
 import uuid
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from .config import PreflightError
+from .errors import PreflightError
+from .layout import RUN_JSON, json_temp_name, manifest_name
 
 FORMAT_VERSION = 1
+LAYER_CONVENTION = ("vllm: id k = residual stream entering decoder layer k; "
+                    "id N = final state before the final norm")
+
+
+@dataclass
+class Manifest:
+    """manifest.json: the schema every writer and reader of it shares.
+
+    The job fills it in as it goes (status running -> complete | failed);
+    eagle3-status, eagle3-validate, eagle3-verify and the data-parallel
+    launcher read it with `Manifest.read`. Sections that are plain dicts keep
+    the keys docs/job.md lists; a field a reader needs but an old or partial
+    manifest lacks is None, never an exception.
+    """
+
+    run_id: str | None = None
+    status: str | None = None
+    format_version: int = FORMAT_VERSION
+    started: str | None = None
+    updated: str | None = None
+    finished: str | None = None
+    host: str | None = None
+    process: dict[str, Any] | None = None  # who writes it (status tells a killed job)
+    config: dict[str, Any] | None = None  # the resolved Hydra config
+    layer_ids: list[int] | None = None
+    layer_convention: str = LAYER_CONVENTION
+    model: dict[str, Any] | None = None  # path, architecture, num_layers, hidden_size, dtype
+    output: dict[str, Any] | None = None  # format, layout
+    shard: dict[str, int] = field(default_factory=lambda: {"index": 0, "count": 1})
+    data: dict[str, Any] | None = None  # the dataset report: rows, usable, skipped by reason
+    engine: dict[str, Any] | None = None
+    progress: dict[str, Any] | None = None
+    timings: dict[str, Any] | None = None
+    counts: dict[str, Any] | None = None  # only when complete
+    tokens: dict[str, Any] | None = None
+    bytes: dict[str, Any] | None = None
+    token_freq: str | None = None
+    versions: dict[str, Any] | None = None
+    patches: dict[str, Any] | None = None
+
+    @property
+    def shard_index(self) -> int:
+        return int((self.shard or {}).get("index", 0))
+
+    @property
+    def shard_count(self) -> int:
+        return int((self.shard or {}).get("count", 1))
+
+    @property
+    def file_name(self) -> str:
+        return manifest_name(self.shard_index, self.shard_count)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, obj: dict[str, Any]) -> "Manifest":
+        if not isinstance(obj, dict):
+            raise ValueError(f"a manifest is a JSON object, not {type(obj).__name__}")
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in obj.items() if k in known})
+
+    @classmethod
+    def read(cls, path: Path) -> "Manifest":
+        """Raises OSError or ValueError (json.JSONDecodeError included)."""
+        return cls.from_dict(json.loads(Path(path).read_text()))
+
+    def write(self, root: Path) -> None:
+        write_json_atomic(root / self.file_name, self.to_dict())
 
 
 def write_json_atomic(path: Path, obj: Any) -> None:
     # pid alone is not unique: pods of a Kubernetes Job often all run as pid 1.
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    tmp = path.with_name(json_temp_name(path.name, f"{os.getpid()}-{uuid.uuid4().hex[:8]}"))
     with open(tmp, "w", encoding="utf-8") as f:
         json.dump(obj, f, indent=2, sort_keys=False, default=str)
         f.write("\n")
@@ -40,7 +111,7 @@ def write_json_atomic(path: Path, obj: Any) -> None:
     os.replace(tmp, path)
 
 
-def clean_json_temps(root: Path, names: list[str], shared: tuple[str, ...] = ("run.json",),
+def clean_json_temps(root: Path, names: list[str], shared: tuple[str, ...] = (RUN_JSON,),
                      shared_min_age_s: float = 300.0) -> int:
     """Remove temps of `names` left by a killed run (`.<name>.tmp-<pid>`).
 
@@ -51,7 +122,7 @@ def clean_json_temps(root: Path, names: list[str], shared: tuple[str, ...] = ("r
     now = time.time()
     for entry in os.scandir(root):
         for name in (*names, *shared):
-            if entry.name.startswith(f".{name}.tmp-") and entry.is_file():
+            if entry.name.startswith(json_temp_name(name, "")) and entry.is_file():
                 if name in shared and now - entry.stat().st_mtime < shared_min_age_s:
                     continue
                 os.unlink(entry.path)
@@ -129,7 +200,7 @@ def _diff(a: Any, b: Any, prefix: str = "") -> list[str]:
 
 def check_run_json(root: Path, ident: dict[str, Any]) -> bool:
     """True if `root` holds an earlier run of this identity (resume); raise if another."""
-    path = root / "run.json"
+    path = root / RUN_JSON
     if not path.exists():
         return False
     try:
@@ -148,7 +219,7 @@ def check_run_json(root: Path, ident: dict[str, Any]) -> bool:
 
 
 def write_run_json(root: Path, ident: dict[str, Any]) -> None:
-    write_json_atomic(root / "run.json", ident)
+    write_json_atomic(root / RUN_JSON, ident)
 
 
 def package_versions() -> dict[str, str | None]:
@@ -186,26 +257,16 @@ def patch_manifest() -> dict[str, Any] | None:
         return None
 
 
-def manifest_name(shard_index: int, shard_count: int, stem: str = "manifest") -> str:
-    """`manifest.json`, or one file per shard when shards share a directory."""
-    if shard_count == 1:
-        return f"{stem}.json"
-    return f"{stem}.shard-{shard_index:05d}-of-{shard_count:05d}.json"
-
-
-def base_manifest(resolved_cfg: dict[str, Any], ident: dict[str, Any], info: Any,
-                  layer_ids: list[int], layout: str) -> dict[str, Any]:
-    return {
-        "format_version": FORMAT_VERSION,
-        "status": "running",
-        "run_id": ident["run_id"],
-        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "host": socket.gethostname(),
-        "config": resolved_cfg,
-        "layer_ids": list(layer_ids),
-        "layer_convention": "vllm: id k = residual stream entering decoder layer k; "
-                            "id N = final state before the final norm",
-        "model": {
+def new_manifest(resolved_cfg: dict[str, Any], ident: dict[str, Any], info: Any,
+                 layer_ids: list[int], layout: str, shard: tuple[int, int]) -> Manifest:
+    return Manifest(
+        run_id=ident["run_id"],
+        status="running",
+        started=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        host=socket.gethostname(),
+        config=resolved_cfg,
+        layer_ids=list(layer_ids),
+        model={
             "path": str(resolved_cfg["model"]["path"]),
             "resolved_path": info.path,
             "tokenizer_path": info.tokenizer_path,
@@ -215,7 +276,8 @@ def base_manifest(resolved_cfg: dict[str, Any], ident: dict[str, Any], info: Any
             "dtype": str(info.dtype).removeprefix("torch."),
             "config_sha256": info.config_sha256,
         },
-        "output": {"format": resolved_cfg["output"]["format"], "layout": layout},
-        "versions": package_versions(),
-        "patches": patch_manifest(),
-    }
+        output={"format": resolved_cfg["output"]["format"], "layout": layout},
+        shard={"index": shard[0], "count": shard[1]},
+        versions=package_versions(),
+        patches=patch_manifest(),
+    )

@@ -12,7 +12,9 @@ different jobs never overlap and a later run with another N or c resumes from
 the same files.
 
 The parent runs the full preflight once (fail fast, and run.json written
-before any replica starts), gives each replica its own devices
+before any replica starts) and tokenizes the dataset once: the replicas load
+that tokenized set (keyed by the run identity) instead of reading and
+tokenizing it again. It gives each replica its own devices
 (CUDA_VISIBLE_DEVICES) or, on CPU, its own cores, waits, and exits non-zero if
 any replica failed. A failed replica does not stop the others: their files
 count on the rerun. Ctrl-C or SIGTERM stops them all.
@@ -20,7 +22,6 @@ count on the rerun. Ctrl-C or SIGTERM stops them all.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import signal
@@ -32,7 +33,9 @@ from pathlib import Path
 from typing import Any
 
 from .config import PreflightError, validate
-from .manifest import manifest_name
+from .job import TOKENIZED_ENV, preflight
+from .layout import manifest_name
+from .manifest import Manifest
 
 log = logging.getLogger("eagle3_extract")
 
@@ -188,13 +191,13 @@ class _Stopper:
             signal.signal(s, h)
 
 
-def _manifests(root: Path, replicas: list[Replica]) -> list[dict[str, Any]]:
+def _manifests(root: Path, replicas: list[Replica]) -> list[Manifest]:
     out = []
     for r in replicas:
         try:
-            out.append(json.loads((root / manifest_name(*r.shard)).read_text()))
-        except (OSError, json.JSONDecodeError):
-            out.append({})  # not started yet (or being replaced right now)
+            out.append(Manifest.read(root / manifest_name(*r.shard)))
+        except (OSError, ValueError):
+            out.append(Manifest())  # not started yet (or being replaced right now)
     return out
 
 
@@ -202,11 +205,11 @@ def _progress_line(root: Path, replicas: list[Replica]) -> str:
     """Cheap: the replicas' manifests only (each rewrites its own every minute)."""
     done = total = tokens = complete = 0
     for m in _manifests(root, replicas):
-        p = m.get("progress") or {}
+        p = m.progress or {}
         done += p.get("done_at_start", 0) + p.get("written_this_run", 0)
         total += p.get("samples", 0)
         tokens += p.get("tokens_done", 0)
-        complete += m.get("status") == "complete"
+        complete += m.status == "complete"
     return (f"{complete}/{len(replicas)} replicas complete; {done}/{total} samples, "
             f"{tokens} tokens")
 
@@ -224,8 +227,6 @@ def launch(cfg: Any, overrides: list[str], log_root: Path) -> int:
     `overrides` are the job's Hydra overrides (each replica composes the same
     config from them); replica r logs under `log_root/replica-<r>/`.
     """
-    from .cli import preflight
-
     t0 = time.perf_counter()
     n = int(cfg.parallel.data_parallel_size)
     validate(cfg)
@@ -234,12 +235,17 @@ def launch(cfg: Any, overrides: list[str], log_root: Path) -> int:
     root = plan.root
     log.info("preflight ok: %d samples for this job (%d to do); %d replicas of shard %d/%d",
              len(plan.mine), len(plan.todo), n, int(cfg.shard.index), int(cfg.shard.count))
+    log_root.mkdir(parents=True, exist_ok=True)
+    tokenized = log_root / "tokenized.npz"  # under logs/: never taken for data
+    plan.mine.save(tokenized, plan.ident["run_id"])
+    for r in replicas:
+        r.env[TOKENIZED_ENV] = str(tokenized)
     del plan
     stopper = _Stopper(replicas)
     try:
         for r in replicas:
             r.log_dir.mkdir(parents=True, exist_ok=True)
-            cmd = [sys.executable, "-m", "eagle3_extract.parallel",
+            cmd = [sys.executable, "-m", "eagle3_extract.cli",
                    *replica_overrides(overrides, r.shard, root, r.log_dir)]
             with open(r.console, "wb") as out:
                 r.proc = subprocess.Popen(cmd, env=r.env, stdout=out, stderr=subprocess.STDOUT,
@@ -279,6 +285,9 @@ def launch(cfg: Any, overrides: list[str], log_root: Path) -> int:
     if failed:
         log.error("replicas %s failed (rerun the same command to resume): %s", failed, summary)
         return 1
+    if bool(cfg.dry_run):
+        log.info("dry_run: %d replicas passed preflight in %.1fs", n, time.perf_counter() - t0)
+        return 0
     _summary(root, replicas, time.perf_counter() - t0)
     return 0
 
@@ -286,11 +295,11 @@ def launch(cfg: Any, overrides: list[str], log_root: Path) -> int:
 def _summary(root: Path, replicas: list[Replica], wall_s: float) -> None:
     samples = written = resumed = tokens = tokens_run = nbytes = 0
     for m in _manifests(root, replicas):
-        c = m["counts"]
+        c = m.counts
         samples, written = samples + c["samples"], written + c["written_this_run"]
         resumed += c["resumed"]
-        tokens, tokens_run = tokens + m["tokens"]["total"], tokens_run + m["tokens"]["this_run"]
-        nbytes += m["bytes"]["data"]
+        tokens, tokens_run = tokens + m.tokens["total"], tokens_run + m.tokens["this_run"]
+        nbytes += m.bytes["data"]
     log.info(
         "done: %d replicas, %d samples in %s (%d written now, %d from before), %d tokens, "
         "%.3f GB; %.1f tok/s over all replicas; total %.1fs",
@@ -307,28 +316,18 @@ def launch_hydra_job(cfg: Any) -> int:
     return launch(cfg, list(hc.overrides.task), Path(hc.runtime.output_dir))
 
 
-def _die_with_parent() -> None:
-    """Linux: SIGKILL this replica when its launcher dies, even by SIGKILL, so no orphan
-    keeps its GPUs or races a rerun on the same shard (vLLM's workers follow the replica)."""
+def die_with_launcher() -> None:
+    """In a replica (Linux): SIGKILL it when its launcher dies, even by SIGKILL, so no
+    orphan keeps its GPUs or races a rerun on the same shard (vLLM's workers follow the
+    replica). A no-op in a job the launcher did not start."""
     parent = int(os.environ.pop(PARENT_ENV, "0") or 0)
+    if not parent:
+        return
     try:
         import ctypes
 
         ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         return
-    if parent and os.getppid() != parent:  # it died before prctl took effect
+    if os.getppid() != parent:  # it died before prctl took effect
         os._exit(1)
-
-
-def _replica_main() -> None:
-    """`python -m eagle3_extract.parallel OVERRIDES`: one replica, as `eagle3-extract`."""
-    _die_with_parent()
-    from .cli import extract_main
-
-    sys.argv = ["eagle3-extract", *sys.argv[1:]]
-    extract_main()
-
-
-if __name__ == "__main__":
-    _replica_main()

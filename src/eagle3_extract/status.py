@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import socket
 import sys
 import time
@@ -28,10 +27,9 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-# As in writer.py (which imports torch: this command must start at once).
-DATA_DIR = "data"
-EXTENSIONS = {"safetensors": ".safetensors", "speculators_pt": ".pt"}
-MANIFEST_RE = re.compile(r"^manifest(?:\.shard-(\d+)-of-(\d+))?\.json$")
+from .layout import MANIFEST_RE, RUN_JSON, sample_files
+from .manifest import Manifest
+
 STALE_AFTER_S = 3600.0
 
 
@@ -105,22 +103,6 @@ class NotARunDir(Exception):
     pass
 
 
-def _sample_files(root: Path, fmt: str) -> dict[int, os.DirEntry]:
-    ext = EXTENSIONS[fmt]
-    files: dict[int, os.DirEntry] = {}
-    data = root / DATA_DIR
-    if not data.is_dir():
-        return files
-    for sub in os.scandir(data):
-        if not sub.is_dir():
-            continue
-        for e in os.scandir(sub.path):
-            stem = e.name[: -len(ext)]
-            if e.name.endswith(ext) and stem.isdigit():
-                files[int(stem)] = e
-    return files
-
-
 def _age_s(stamp: str | None) -> float | None:
     if not stamp:
         return None
@@ -130,24 +112,24 @@ def _age_s(stamp: str | None) -> float | None:
         return None
 
 
-def _shard(m: dict[str, Any] | None, index: int, count: int, mine: list[os.DirEntry],
+def _shard(m: Manifest | None, index: int, count: int, mine: list[os.DirEntry],
            stale_after: float) -> Shard:
     def disk_bytes() -> int:
         return sum(e.stat().st_size for e in mine)
 
     if m is None:
         return Shard(index, count, "missing", "no manifest", done=len(mine), bytes=disk_bytes())
-    prog = m.get("progress") or {}
+    prog = m.progress or {}
     samples = prog.get("samples")
     if samples is None and "to_do_at_start" in prog:
         samples = prog["done_at_start"] + prog["to_do_at_start"]
-    s = Shard(index, count, str(m.get("status")), samples=samples, done=len(mine),
+    s = Shard(index, count, str(m.status), samples=samples, done=len(mine),
               tokens=prog.get("tokens_done"), tokens_total=prog.get("tokens"),
-              host=m.get("host"), updated=m.get("updated"))
+              host=m.host, updated=m.updated)
     if s.state == "complete":
-        s.samples = m["counts"]["samples"]
-        s.tokens = s.tokens_total = m["tokens"]["total"]
-        s.bytes = m["bytes"]["data"]
+        s.samples = m.counts["samples"]
+        s.tokens = s.tokens_total = m.tokens["total"]
+        s.bytes = m.bytes["data"]
         if s.done < s.samples:
             s.state, s.reason = "failed", f"{s.samples - s.done} files gone since completion"
             s.bytes = disk_bytes()
@@ -156,7 +138,7 @@ def _shard(m: dict[str, Any] | None, index: int, count: int, mine: list[os.DirEn
     if s.state == "failed":
         s.reason = "the job reported a failure (see its log)"
     elif s.state == "running":
-        proc = m.get("process") or {}
+        proc = m.process or {}
         alive = process_alive(proc)
         age = _age_s(s.updated)
         if alive is False:
@@ -164,7 +146,7 @@ def _shard(m: dict[str, Any] | None, index: int, count: int, mine: list[os.DirEn
         elif alive is None and age is not None and age > stale_after:
             s.state, s.reason = "failed", f"stale: no update for {age / 60:.0f} min"
     else:
-        s.state, s.reason = "failed", f"unknown manifest status {m.get('status')!r}"
+        s.state, s.reason = "failed", f"unknown manifest status {m.status!r}"
     return s
 
 
@@ -172,26 +154,26 @@ def collect(root: str | Path, stale_after: float = STALE_AFTER_S) -> dict[str, A
     """The status of the run in `root` as a JSON-able dict (see `main`)."""
     root = Path(root)
     try:
-        run = json.loads((root / "run.json").read_text())
+        run = json.loads((root / RUN_JSON).read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise NotARunDir(f"{root}: no readable run.json ({e}); not an eagle3-extract output "
                          "dir, or its preflight never passed") from e
     fmt = run["output"]["format"]
-    manifests: dict[int, dict[int, dict[str, Any]]] = {}
+    manifests: dict[int, dict[int, Manifest]] = {}
     for entry in os.scandir(root):
         match = MANIFEST_RE.match(entry.name)
         if match:
             i, n = (int(match[1]), int(match[2])) if match[1] else (0, 1)
             try:
-                manifests.setdefault(n, {})[i] = json.loads(Path(entry.path).read_text())
-            except (OSError, json.JSONDecodeError):
+                manifests.setdefault(n, {})[i] = Manifest.read(Path(entry.path))
+            except (OSError, ValueError):
                 continue  # replaced while we read it: atomic writes make this rare
-    files = _sample_files(root, fmt)
+    files = sample_files(root, fmt)
     usable = tokens_total = None
     for shards in manifests.values():
         for m in shards.values():
-            usable = (m.get("data") or {}).get("usable", usable)
-            tokens_total = (m.get("data") or {}).get("tokens", tokens_total)
+            usable = (m.data or {}).get("usable", usable)
+            tokens_total = (m.data or {}).get("tokens", tokens_total)
 
     partitions = []
     for n in sorted(manifests):

@@ -24,12 +24,10 @@ listed. The report also goes to `DIR/validate_report.json` (atomic write).
 from __future__ import annotations
 
 import argparse
-import glob
 import itertools
 import json
 import math
 import os
-import re
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -40,16 +38,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from .manifest import write_json_atomic
-from .writer import _TEMP, DATA_DIR, EXTENSIONS
+from .layout import DATA_DIR, EXTENSIONS, MANIFEST_RE, SAMPLE_TEMP, SUBDIR_RE, TOP_LEVEL_RE
+from .manifest import Manifest, write_json_atomic
+from .token_freq import TokenCounts
 
 REPORT_NAME = "validate_report.json"
 NORM_TOL = 0.15  # relative deviation of a layer's norm from the dataset profile
-_SUBDIR = re.compile(r"^\d{5,}$")
-_TOP_LEVEL_OK = re.compile(  # files the job and these tools write next to data/
-    r"^(manifest|token_freq)(\.shard-\d+-of-\d+)?\.json$"
-    r"|^run\.json$|^(validate|verify)_report\.json$"
-)
 
 
 @dataclass
@@ -92,31 +86,6 @@ class FileStats:
     mask: np.ndarray | None = field(repr=False)
 
 
-class TokenCounts:
-    """Running per-token-id counts over all files, all tokens and loss tokens."""
-
-    def __init__(self) -> None:
-        self.all = np.zeros(0, dtype=np.int64)
-        self.loss = np.zeros(0, dtype=np.int64)
-
-    @staticmethod
-    def _add(acc: np.ndarray, ids: np.ndarray) -> np.ndarray:
-        c = np.bincount(ids) if len(ids) else np.zeros(0, dtype=np.int64)
-        if len(c) > len(acc):
-            acc = np.pad(acc, (0, len(c) - len(acc)))
-        acc[: len(c)] += c
-        return acc
-
-    def add(self, s: FileStats) -> None:
-        self.all = self._add(self.all, s.ids)
-        self.loss = self._add(self.loss, s.ids[s.mask])
-        s.ids = s.mask = None
-
-    def as_dict(self, key: str) -> dict[int, int]:
-        c = getattr(self, key)
-        return {int(i): int(c[i]) for i in np.flatnonzero(c)}
-
-
 # --- loading -----------------------------------------------------------------------------
 
 
@@ -150,7 +119,7 @@ def states_tensor(hs: Any) -> torch.Tensor:
     raise ValueError(f"hidden_states is a {type(hs).__name__}, not a tensor or list of tensors")
 
 
-def load_manifests(root: Path) -> tuple[list[dict[str, Any]], list[Problem]]:
+def load_manifests(root: Path) -> tuple[list[Manifest], list[Problem]]:
     """The manifests of the run's current shard layout, and problems.
 
     One `manifest.json`, or one per shard (`shard.count > 1`, data parallelism).
@@ -158,25 +127,25 @@ def load_manifests(root: Path) -> tuple[list[dict[str, Any]], list[Problem]]:
     old layout's manifests behind: the layout updated last is the current one;
     the others are reported (code "stale_manifest", a warning in `validate`).
     """
-    paths = [root / "manifest.json"] if (root / "manifest.json").exists() else []
-    paths += sorted(Path(p) for p in glob.glob(str(root / "manifest.shard-*-of-*.json")))
+    paths = sorted((Path(e.path) for e in os.scandir(root) if MANIFEST_RE.match(e.name)),
+                   key=lambda p: (p.name != "manifest.json", p.name))
     if not paths:
         return [], [Problem("dataset", "manifest", "no manifest.json (nor shard manifests)")]
-    layouts: dict[int, list[dict[str, Any]]] = {}
+    layouts: dict[int, list[Manifest]] = {}
     names: dict[int, list[str]] = {}
     problems = []
     for p in paths:
         try:
-            m = json.loads(p.read_text())
-        except (OSError, json.JSONDecodeError) as e:
+            m = Manifest.read(p)
+        except (OSError, ValueError) as e:
             problems.append(Problem(p.name, "manifest", f"unreadable: {e}"))
             continue
-        count = int((m.get("shard") or {}).get("count", 1))
+        count = m.shard_count
         layouts.setdefault(count, []).append(m)
         names.setdefault(count, []).append(p.name)
     if not layouts:
         return [], problems
-    current = max(layouts, key=lambda c: max(str(m.get("updated", "")) for m in layouts[c]))
+    current = max(layouts, key=lambda c: max(str(m.updated or "") for m in layouts[c]))
     for c in sorted(set(layouts) - {current}):
         problems.append(Problem(
             "dataset", "stale_manifest", f"{names[c]} describe an earlier run with "
@@ -189,29 +158,29 @@ def _dtype(name: Any) -> torch.dtype | None:
     return dt if isinstance(dt, torch.dtype) else None
 
 
-def expectation(manifests: list[dict[str, Any]]) -> tuple[Expect | None, list[Problem]]:
+def expectation(manifests: list[Manifest]) -> tuple[Expect | None, list[Problem]]:
     """The contract every file must meet; problems where the manifests disagree."""
     if not manifests:
         return None, []
     problems = []
     m = manifests[0]
     for key in ("run_id", "layer_ids", "model", "output"):
-        if any(o.get(key) != m.get(key) for o in manifests[1:]):
+        if any(getattr(o, key) != getattr(m, key) for o in manifests[1:]):
             problems.append(Problem("dataset", "manifest", f"shard manifests disagree on {key}"))
     try:
-        out = m["config"]["output"]
-        dtype = _dtype(m["model"]["dtype"])
+        out = m.config["output"]
+        dtype = _dtype(m.model["dtype"])
         if dtype is None:
-            raise KeyError(f"model.dtype={m['model']['dtype']!r}")
-        skipped = (m.get("data") or {}).get("skipped") or {}
+            raise KeyError(f"model.dtype={m.model['dtype']!r}")
+        skipped = (m.data or {}).get("skipped") or {}
         exp = Expect(
             fmt=str(out["format"]),
             files_per_dir=int(out["files_per_dir"]),
-            layer_ids=[int(k) for k in m["layer_ids"]],
-            hidden_size=int(m["model"]["hidden_size"]),
+            layer_ids=[int(k) for k in m.layer_ids],
+            hidden_size=int(m.model["hidden_size"]),
             dtype=dtype,
-            run_id=m.get("run_id"),
-            selected=(m.get("data") or {}).get("selected"),
+            run_id=m.run_id,
+            selected=(m.data or {}).get("selected"),
             # The data stage drops samples without loss tokens (skip reason
             # "no_loss_tokens"), so each file of such a run has at least one 1.
             require_loss="no_loss_tokens" in skipped,
@@ -240,12 +209,12 @@ def scan_tree(root: Path, fmt: str, files_per_dir: int) -> tuple[dict[int, Path]
         for name in filenames:
             path = here / name
             rel = str(path.relative_to(root))
-            if here == root and _TOP_LEVEL_OK.match(name):
+            if here == root and TOP_LEVEL_RE.match(name):
                 continue
-            if _TEMP.match(name):
+            if SAMPLE_TEMP.match(name):
                 problems.append(Problem(rel, "stray", "temp file of an interrupted write"))
                 continue
-            if here.parent != data or not _SUBDIR.match(here.name):
+            if here.parent != data or not SUBDIR_RE.match(here.name):
                 if name.endswith("pt") or name.endswith(".safetensors"):
                     why = ("the speculators trainer loads every file ending in 'pt' as a sample"
                            if name.endswith("pt") else "sample-like file outside data/<NNNNN>/")
@@ -380,23 +349,23 @@ def _check_meta(meta: dict[str, str], index: int, exp: Expect, fail) -> bool | N
 # --- dataset-wide --------------------------------------------------------------------------
 
 
-def check_counts(root: Path, manifests: list[dict[str, Any]], exp: Expect,
+def check_counts(root: Path, manifests: list[Manifest], exp: Expect,
                  found: dict[int, Path]) -> list[Problem]:
     """Manifests complete, written == files, indices in range and owned by a shard."""
     problems = []
     for m in manifests:
-        if m.get("status") != "complete":
-            sh = m.get("shard") or {}
+        if m.status != "complete":
+            sh = m.shard or {}
             problems.append(Problem("dataset", "incomplete",
                                     f"manifest (shard {sh.get('index', 0)}) status is "
-                                    f"{m.get('status')!r}, not 'complete'"))
-    shards = {(m.get("shard") or {}).get("index", 0) for m in manifests}
-    count = int((manifests[0].get("shard") or {}).get("count", 1))
+                                    f"{m.status!r}, not 'complete'"))
+    shards = {m.shard_index for m in manifests}
+    count = manifests[0].shard_count
     if len(shards) != count:
         problems.append(Problem("dataset", "incomplete",
                                 f"manifests of shards {sorted(shards)} of {count}: the others "
                                 "are missing"))
-    counts = [m.get("counts") for m in manifests]
+    counts = [m.counts for m in manifests]
     written = sum(int(c["written"]) for c in counts) if all(counts) else None
     if written is not None and written != len(found):
         problems.append(Problem("dataset", "count", f"manifest says {written} samples written, "
@@ -418,35 +387,35 @@ def check_counts(root: Path, manifests: list[dict[str, Any]], exp: Expect,
 
 def _missing_indices(manifests, exp: Expect, count: int, found: dict[int, Path]) -> list[int]:
     """Expected indices without a file, when the skip list is complete enough to tell."""
-    data = manifests[0].get("data") or {}
+    data = manifests[0].data or {}
     examples = data.get("skipped_examples") or []
     if exp.selected is None or data.get("skipped_total", 0) != len(examples):
         return []
     skipped = {int(e["index"]) for e in examples}
-    shards = {(m.get("shard") or {}).get("index", 0) for m in manifests}
+    shards = {m.shard_index for m in manifests}
     return [i for i in range(int(exp.selected))
             if i not in skipped and i % count in shards and i not in found]
 
 
-def check_tokens(root: Path, manifests: list[dict[str, Any]], stats: list[FileStats],
+def check_tokens(root: Path, manifests: list[Manifest], stats: list[FileStats],
                  counts: TokenCounts) -> list[Problem]:
     """Token totals, truncation count and token_freq.json against the files' contents."""
     problems = []
     total = sum(s.tokens for s in stats)
     loss = sum(s.loss_tokens for s in stats)
-    tok = [m.get("tokens") for m in manifests]
+    tok = [m.tokens for m in manifests]
     if all(t is not None for t in tok):
         want, want_loss = sum(t["total"] for t in tok), sum(t["loss"] for t in tok)
         if (want, want_loss) != (total, loss):
             problems.append(Problem("dataset", "tokens",
                                     f"files hold {total} tokens ({loss} loss tokens), manifest "
                                     f"says {want} ({want_loss}): rows dropped or added"))
-    trunc = [m.get("counts", {}).get("truncated") for m in manifests]
+    trunc = [(m.counts or {}).get("truncated") for m in manifests]
     got_trunc = [s.truncated for s in stats]
     if None not in trunc and None not in got_trunc and sum(trunc) != sum(got_trunc):
         problems.append(Problem("dataset", "count", f"{sum(got_trunc)} files marked truncated, "
                                                     f"manifest says {sum(trunc)}"))
-    freq_names = [m.get("token_freq") for m in manifests]
+    freq_names = [m.token_freq for m in manifests]
     if None in freq_names or not stats:
         return problems
     try:

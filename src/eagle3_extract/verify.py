@@ -29,7 +29,6 @@ goes to `DIR/verify_report.json` (atomic write).
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import random
@@ -43,6 +42,9 @@ from typing import Any, Protocol
 
 import torch
 
+from . import model as model_config
+from .manifest import Manifest
+from .model import read_config
 from .types import Batch, Sample
 from .validate import (
     check_counts,
@@ -93,7 +95,6 @@ MOE_TOLERANCES = {
 # vLLM 0.16 models whose forward appends `hidden_states + residual` before layer
 # idx (read from vllm/model_executor/models/{llama,qwen2,qwen3}.py).
 VLLM_AUX_ARCHS = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
-_MOE_KEYS = ("n_routed_experts", "num_experts", "num_local_experts")
 
 
 class VerifyError(Exception):
@@ -114,7 +115,7 @@ class Reference(Protocol):
 # --- configuration --------------------------------------------------------------------
 
 
-def build_config(manifest: dict[str, Any], overrides: list[str]) -> Any:
+def build_config(manifest: Manifest, overrides: list[str]) -> Any:
     """The run's config from the manifest, typed by the job's schema, plus overrides."""
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
@@ -125,7 +126,9 @@ def build_config(manifest: dict[str, Any], overrides: list[str]) -> Any:
     if bad:
         raise VerifyError(f"overrides must be key=value (e.g. model.path=/models/x): {bad}")
     try:
-        return OmegaConf.merge(OmegaConf.structured(Config), manifest["config"],
+        if manifest.config is None:
+            raise KeyError("config")
+        return OmegaConf.merge(OmegaConf.structured(Config), manifest.config,
                                OmegaConf.from_dotlist(list(overrides)))
     except (KeyError, OmegaConfBaseException) as e:
         raise VerifyError(f"cannot build the run's config from the manifest: {e}") from e
@@ -140,11 +143,10 @@ def tolerance(dtype: str, moe: bool) -> Tol:
 
 def is_moe(model_path: str) -> bool:
     try:
-        cfg = json.loads((Path(model_path) / "config.json").read_text())
-    except (OSError, json.JSONDecodeError):
+        cfg, _ = read_config(model_path)
+    except (OSError, ValueError):
         return False
-    text = cfg.get("text_config") or cfg
-    return any(text.get(k) for k in _MOE_KEYS)
+    return model_config.is_moe(cfg)
 
 
 # --- references -----------------------------------------------------------------------
@@ -397,7 +399,7 @@ def _load(path: Path, fmt: str, index: int, num_layers: int) -> tuple[Sample, to
     return sample, states
 
 
-def _model(cfg: Any, man: dict[str, Any]) -> tuple[Any, list[str]]:
+def _model(cfg: Any, man: Manifest) -> tuple[Any, list[str]]:
     """The model the overrides point at, checked against the one the data came from."""
     from .engine import inspect_model
 
@@ -406,7 +408,7 @@ def _model(cfg: Any, man: dict[str, Any]) -> tuple[Any, list[str]]:
     except (ValueError, OSError) as e:
         msg = str(e) if "model.path" in str(e) else f"model.path={cfg.model.path!r}: {e}"
         raise VerifyError(f"{msg} (override model.path=... if the model moved)") from e
-    want = man["model"]
+    want = man.model
     if (info.num_layers, info.hidden_size) != (want["num_layers"], want["hidden_size"]):
         raise VerifyError(f"{info.path} has {info.num_layers} layers x {info.hidden_size}, the "
                           f"data was made with {want['num_layers']} x {want['hidden_size']}")
@@ -419,7 +421,7 @@ def _model(cfg: Any, man: dict[str, Any]) -> tuple[Any, list[str]]:
     return info, warnings
 
 
-def _choose(root: Path, manifests: list[dict[str, Any]], samples: int, seed: int
+def _choose(root: Path, manifests: list[Manifest], samples: int, seed: int
             ) -> tuple[dict[int, tuple[Sample, torch.Tensor]], list[int], list[str]]:
     """Pick K files (seeded); run validate's tree, count and per-file checks on them."""
     exp, problems = expectation(manifests)
@@ -461,18 +463,18 @@ def verify(root: str | Path, overrides: list[str] | None = None, samples: int = 
     # (stale manifests of an earlier shard layout are eagle3-validate's to report)
     man = manifests[0]
     cfg = build_config(man, list(overrides or []))
-    layer_ids = [int(k) for k in man["layer_ids"]]
+    layer_ids = [int(k) for k in man.layer_ids]
     info, warnings = _model(cfg, man)
     moe = is_moe(info.path)
-    tols = replace(tolerance(man["model"]["dtype"], moe),
+    tols = replace(tolerance(man.model["dtype"], moe),
                    **{k: v for k, v in (tol or {}).items() if v is not None})
     loaded, chosen, failures = _choose(root, manifests, samples, seed)
     report: dict[str, Any] = {
-        "tool": "eagle3-verify", "dir": str(root), "run_id": man.get("run_id"),
+        "tool": "eagle3-verify", "dir": str(root), "run_id": man.run_id,
         "model": info.path, "architecture": info.architecture, "moe": moe,
-        "dtype": man["model"]["dtype"], "layer_ids": layer_ids, "samples": chosen,
+        "dtype": man.model["dtype"], "layer_ids": layer_ids, "samples": chosen,
         "seed": seed, "tolerance": {"median": tols.median, "mean": tols.mean, "max": _r(tols.max)},
-        "data_engine": (man.get("engine") or {}).get("name"), "references": {},
+        "data_engine": (man.engine or {}).get("name"), "references": {},
     }
     report["dataset"] = dataset_check(cfg, info, {i: s for i, (s, _) in loaded.items()})
     failures += report["dataset"]["failures"]

@@ -1,12 +1,9 @@
 """Per-sample files, written atomically on writer threads while the engine runs.
 
-Only this module touches `output.dir/data`. A file appears under its final name
-only when complete (temp name in the same directory, fsync, `os.replace`), so
-"the final file exists" is what "done" means for resume, and a SIGKILL at any
-moment leaves at most stale temp files, which the next run deletes.
-
-Temp names start with "." and end in "-<pid>": never `*.safetensors` or `*pt`
-(speculators' loader takes every file whose name ends in "pt" for a sample).
+Only this module writes `output.dir/data`, through the names layout.py
+defines: temp name in the same directory, fsync, `os.replace`. So "the final
+file exists" is what "done" means for resume, and a SIGKILL at any moment
+leaves at most temp files, which the next run deletes.
 """
 
 from __future__ import annotations
@@ -14,65 +11,19 @@ from __future__ import annotations
 import json
 import os
 import queue
-import re
 import threading
-from collections.abc import Callable, Iterable
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
+from .layout import EXTENSIONS, sample_path, sample_temp
 from .types import ExtractedBatch, Sample
-
-EXTENSIONS = {"safetensors": ".safetensors", "speculators_pt": ".pt"}
-DATA_DIR = "data"
-_TEMP = re.compile(r"^\.(\d+)\.(safetensors|pt)\.tmp-\d+$")
 
 
 class WriterError(RuntimeError):
     """A sample could not be written, or broke an invariant; the job must stop."""
-
-
-def sample_path(root: Path, index: int, files_per_dir: int, fmt: str) -> Path:
-    """`data/<index // files_per_dir:05d>/<index:09d><ext>` under `root`."""
-    return root / DATA_DIR / f"{index // files_per_dir:05d}" / f"{index:09d}{EXTENSIONS[fmt]}"
-
-
-def finished_indices(root: Path, fmt: str) -> set[int]:
-    """Indices whose final file exists (written completely, by construction)."""
-    ext = EXTENSIONS[fmt]
-    done: set[int] = set()
-    data = root / DATA_DIR
-    if not data.is_dir():
-        return done
-    for sub in data.iterdir():
-        if not sub.is_dir():
-            continue
-        for entry in os.scandir(sub):
-            name = entry.name
-            if name.endswith(ext) and name[: -len(ext)].isdigit() and entry.is_file():
-                done.add(int(name[: -len(ext)]))
-    return done
-
-
-def clean_stale_temps(root: Path, owned: Callable[[int], bool] = lambda i: True) -> int:
-    """Delete temp files left by a killed run, for the indices this job owns.
-
-    `owned` keeps a shard from deleting another live shard's temp files when
-    several shards write into one directory.
-    """
-    removed = 0
-    data = root / DATA_DIR
-    if not data.is_dir():
-        return 0
-    for sub in data.iterdir():
-        if not sub.is_dir():
-            continue
-        for entry in os.scandir(sub):
-            m = _TEMP.match(entry.name)
-            if m and owned(int(m.group(1))):
-                os.unlink(entry.path)
-                removed += 1
-    return removed
 
 
 def _fsync_replace(tmp: Path, final: Path) -> None:
@@ -145,7 +96,7 @@ def write_sample(path: Path, sample: Sample, states: torch.Tensor, fmt: str,
                  layer_ids: list[int], run_id: str) -> int:
     """Write one sample atomically; return its size in bytes."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp = sample_temp(path)
     input_ids = torch.tensor(sample.input_ids, dtype=torch.int64)
     if fmt == "safetensors":
         save_safetensors(
@@ -215,6 +166,8 @@ class Writer:
         self.written = 0
         self.bytes = 0
         self.tokens = 0
+        # (time, tokens) when each batch's last file landed: the steady rate's clock.
+        self.landed: list[tuple[float, int]] = []
         self._lock = threading.Lock()
         self._error: BaseException | None = None
         self._slots = threading.Semaphore(max(1, max_pending))
@@ -282,6 +235,9 @@ class Writer:
                         self._error = e
             finally:
                 if pending.finish_one():
+                    with self._lock:
+                        self.landed.append((time.perf_counter(),
+                                            sum(len(s) for s in pending.eb.samples)))
                     try:
                         pending.eb.release()
                     except BaseException as e:  # noqa: BLE001
@@ -299,14 +255,3 @@ class Writer:
             for t in self._threads:
                 t.join()
         self.raise_if_failed()
-
-
-def file_bytes(root: Path, indices: Iterable[int], files_per_dir: int, fmt: str) -> int:
-    """Total size of the final files of `indices` (missing files count 0)."""
-    total = 0
-    for i in indices:
-        try:
-            total += sample_path(root, i, files_per_dir, fmt).stat().st_size
-        except FileNotFoundError:
-            pass
-    return total

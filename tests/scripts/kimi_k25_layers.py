@@ -10,7 +10,7 @@ from pathlib import Path
 
 os.environ.setdefault("VLLM_MLA_DISABLE", "1")
 
-from speculators.data_generation.custom_worker import find_decoder_layers  # noqa: E402
+from eagle3_extract.engine.layers import find_decoder_layers  # noqa: E402
 from vllm.config import set_current_vllm_config  # noqa: E402
 from vllm.distributed import (  # noqa: E402
     init_distributed_environment,

@@ -1,93 +1,185 @@
-"""The production engine: patched speculators 0.3.0 on vLLM 0.16.
+"""The production engine: our own driver over vLLM 0.16's engine core.
 
-Everything this project assumes about vLLM 0.16 lives in patches/ (applied to
-the installed speculators) and here. The generator captures on the workers'
-devices and hands states over in a shared host buffer; this adapter turns one
-buffer slot into per-sample views and releases the slot when the writer is
-done with it.
+Why not speculators 0.3.0's generator: on vLLM 0.16 almost every line of it
+had to change (docs/engine.md), and upstream deleted it in v0.4.1. What is
+left is what vLLM's own `EngineCore` does, in the order it does it:
+`EngineArgs` -> `VllmConfig`, `Executor.get_class`, KV cache sizing with
+`get_kv_cache_configs`, a `Scheduler`, and a step loop of
+`execute_model`/`sample_tokens`. The capture itself is engine/worker.py,
+loaded into the workers through vLLM's `worker_extension_cls`.
+
+Settings that would silently truncate captures are fixed here and refused in
+`engine.vllm_args`: prefix caching (skips shared KV blocks: 46 tokens gave 14
+rows), chunked prefill (a partly scheduled prompt keeps its first chunk), and
+async scheduling (this driver steps the scheduler itself).
 """
 
 from __future__ import annotations
 
+import difflib
 import os
 import threading
 import time
 from typing import Any
 
+import torch
+
 from ..types import Batch, ExtractedBatch
-from . import ModelInfo
+from . import ModelInfo, hostbuf
+from .worker import QUALNAME
+
+# Rows beyond max_num_batched_tokens in the capture buffers (step padding).
+CAPTURE_SLACK_ROWS = 1024
+# Set by the driver; a user's engine.vllm_args may not change them.
+FIXED_ARGS = {
+    "enable_prefix_caching": False,
+    "enable_chunked_prefill": False,
+    "async_scheduling": False,
+    "skip_tokenizer_init": True,  # token ids come in; the workers need no tokenizer
+    "worker_extension_cls": QUALNAME,
+}
+# EngineArgs fields that a config key of ours sets.
+OWN_KEYS = {
+    "model": "model.path", "tokenizer": "model.tokenizer",
+    "trust_remote_code": "model.trust_remote_code", "dtype": "model.dtype",
+    "max_model_len": "model.max_model_len", "quantization": "model.quantization",
+    "load_format": "model.load_format",
+    "gpu_memory_utilization": "model.gpu_memory_utilization",
+    "tensor_parallel_size": "model.tensor_parallel_size",
+    "pipeline_parallel_size": "model.pipeline_parallel_size",
+    "max_num_seqs": "engine.max_num_seqs", "max_num_batched_tokens": "engine.token_budget",
+    "enforce_eager": "engine.enforce_eager",
+    "distributed_executor_backend": "engine.distributed_executor_backend",
+}
 
 
-def _require_patches() -> dict:
-    from .. import patching
+def engine_args(cfg: Any, info: ModelInfo) -> dict[str, Any]:
+    """The EngineArgs fields of a job, as vLLM spells them."""
+    m, e = cfg.model, cfg.engine
+    args: dict[str, Any] = {
+        "model": info.path,
+        "tokenizer": info.tokenizer_path,
+        "trust_remote_code": bool(m.trust_remote_code),
+        "dtype": str(info.dtype).removeprefix("torch."),
+        "max_model_len": int(m.max_model_len),
+        "gpu_memory_utilization": float(m.gpu_memory_utilization),
+        "tensor_parallel_size": int(m.tensor_parallel_size),
+        "pipeline_parallel_size": int(m.pipeline_parallel_size),
+        "max_num_seqs": int(e.max_num_seqs),
+        # Without chunked prefill a step must fit a whole prompt.
+        "max_num_batched_tokens": max(int(e.token_budget), int(m.max_model_len)),
+        "enforce_eager": bool(e.enforce_eager),
+        "seed": 0,
+    }
+    if getattr(m, "quantization", None):
+        args["quantization"] = m.quantization
+    if getattr(m, "load_format", None):
+        args["load_format"] = m.load_format
+    backend = getattr(e, "distributed_executor_backend", None)
+    if backend not in (None, "", "auto"):
+        args["distributed_executor_backend"] = backend
+    from vllm.platforms import current_platform
 
-    try:
-        target = patching.default_target()
-        patching.check(target, patching.REPO_PATCHES)
-    except patching.PatchError as e:
-        raise RuntimeError(
-            f"speculators is not patched for vLLM 0.16 ({e}). Run `eagle3-patches apply` "
-            "(make venv does) or use the container image."
-        ) from e
-    return patching.load_manifest(target) or {}
+    if current_platform.is_cpu():
+        # vLLM 0.16's CPU rotary kernel disagrees with the reference for GPT-J-style
+        # (non-neox) rope, which DeepseekV2/V3 use: 38% relative error at layer 1 vs
+        # HF, 4e-7 with the native torch ops.
+        args["compilation_config"] = {"custom_ops": ["none"]}
+    args.update(check_vllm_args(cfg))
+    args.update(FIXED_ARGS)
+    return args
+
+
+def check_vllm_args(cfg: Any) -> dict[str, Any]:
+    """`engine.vllm_args` as plain values, keys checked against vLLM's EngineArgs.
+
+    Raises ConfigError naming the key: a typo must fail in preflight, not after
+    the model config is resolved; a key our config owns must be set there.
+    """
+    import dataclasses
+
+    from omegaconf import OmegaConf
+    from vllm.engine.arg_utils import EngineArgs
+
+    from ..config import ConfigError
+
+    raw = cfg.engine.vllm_args
+    args = OmegaConf.to_container(raw, resolve=True) if OmegaConf.is_config(raw) else raw
+    args = dict(args or {})
+    fields = {f.name for f in dataclasses.fields(EngineArgs)}
+    for key, value in args.items():
+        if key in OWN_KEYS:
+            raise ConfigError(f"engine.vllm_args.{key}: set {OWN_KEYS[key]} instead")
+        if key in FIXED_ARGS and value != FIXED_ARGS[key]:
+            raise ConfigError(f"engine.vllm_args.{key}={value!r} is not supported: the "
+                              f"driver needs {FIXED_ARGS[key]!r} (docs/engine.md)")
+        if key not in fields:
+            near = difflib.get_close_matches(key, fields, n=1)
+            hint = f" (did you mean {near[0]}?)" if near else ""
+            raise ConfigError(f"engine.vllm_args.{key} is not a vLLM 0.16 EngineArgs "
+                              f"field{hint}; see `vllm serve --help` for their names")
+    return args
+
+
+def locate(steps: list, positions: torch.Tensor, prompt_lens: dict[str, int],
+           req_ids: list[str]) -> list[tuple[int, int]]:
+    """(first row, length) of each request; raises unless each ran whole, once, from 0."""
+    where: dict[str, tuple[int, int]] = {}
+    for step_req_ids, start, step_rows in steps:
+        offset = start
+        for rid in step_req_ids:
+            n = prompt_lens.get(rid)
+            if n is None or rid in where:
+                raise RuntimeError(f"unexpected request {rid} in a captured step")
+            if offset + n > start + step_rows or not torch.equal(
+                    positions[offset:offset + n], torch.arange(n, dtype=positions.dtype)):
+                raise RuntimeError(f"request {rid}: captured rows do not cover positions "
+                                   f"0..{n - 1} (prefix caching or chunked prefill on?)")
+            where[rid] = (offset, n)
+            offset += n
+    missing = [rid for rid in req_ids if rid not in where]
+    if missing:
+        raise RuntimeError(f"no hidden states captured for requests {missing}")
+    return [where[rid] for rid in req_ids]
+
+
+def check_replies(replies: list, num_columns: int) -> tuple[list, torch.Tensor, torch.Tensor]:
+    """Every stage agrees on the token layout and every layer column came back once."""
+    parts = [r for r in replies if r is not None]
+    if not parts:
+        raise RuntimeError("no worker captured hidden states")
+    steps, positions = parts[0]["steps"], parts[0]["positions"]
+    for part in parts[1:]:
+        if part["steps"] != steps or not torch.equal(part["positions"], positions):
+            raise RuntimeError("pipeline stages disagree on the token layout")
+    covered = sorted(c for part in parts for c in part["columns"])
+    if covered != list(range(num_columns)):
+        raise RuntimeError(f"captured layer columns {covered} are not each layer once")
+    finite = torch.stack([part["finite"] for part in parts]).all(dim=0)
+    return steps, positions, finite
 
 
 class VllmEngine:
     def __init__(self, cfg: Any, info: ModelInfo, layer_ids: list[int]):
-        self.patches = _require_patches()
-        from speculators.data_generation.vllm_hidden_states_generator import (
-            VllmHiddenStatesGenerator,
-        )
+        from vllm.engine.arg_utils import EngineArgs
+        from vllm.v1.executor import Executor
 
-        m, e = cfg.model, cfg.engine
         self.layer_ids = list(layer_ids)
-        self.num_layers = info.num_layers
-        self.hidden_size = info.hidden_size
-        self.dtype = info.dtype
-        engine_kwargs: dict[str, Any] = {
-            "tokenizer": info.tokenizer_path,
-            "trust_remote_code": bool(m.trust_remote_code),
-            "dtype": str(info.dtype).removeprefix("torch."),
-            "pipeline_parallel_size": int(m.pipeline_parallel_size),
-            "max_num_seqs": int(e.max_num_seqs),
-            "enforce_eager": bool(e.enforce_eager),
-            "seed": 0,
-        }
-        if getattr(m, "quantization", None):
-            engine_kwargs["quantization"] = m.quantization
-        if getattr(m, "load_format", None):
-            engine_kwargs["load_format"] = m.load_format
-        backend = getattr(e, "distributed_executor_backend", None)
-        if backend not in (None, "", "auto"):
-            engine_kwargs["distributed_executor_backend"] = backend
-        from vllm.platforms import current_platform
-
-        if current_platform.is_cpu():
-            # vLLM 0.16's CPU rotary kernel disagrees with the reference for
-            # GPT-J-style (non-neox) rope, which DeepseekV2/V3 use: observed 38%
-            # relative error at layer 1 vs HF, 4e-7 with the native torch ops.
-            engine_kwargs["compilation_config"] = {"custom_ops": ["none"]}
-        engine_kwargs.update(dict(getattr(e, "vllm_args", None) or {}))
-        self.max_model_len = int(m.max_model_len)
+        self.num_layers, self.hidden_size, self.dtype = info.num_layers, info.hidden_size, info.dtype
         # The CPU worker of the in-process (uni) executor pins this process to its
         # cores; undone in close() so later jobs, writers and children get them all.
         self._affinity = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
-        self.generator = VllmHiddenStatesGenerator(
-            info.path,
-            layer_ids=self.layer_ids,
-            max_model_len=self.max_model_len,
-            gpu_memory_utilization=float(m.gpu_memory_utilization),
-            tensor_parallel_size=int(m.tensor_parallel_size),
-            max_num_batched_tokens=int(e.token_budget),
-            host_buffers=int(e.host_buffers),
-            engine_kwargs=engine_kwargs,
-        )
-        if self.generator.layer_ids != self.layer_ids:
-            raise RuntimeError(
-                f"generator resolved layer ids {self.generator.layer_ids}, asked {self.layer_ids}"
-            )
-        # Block size etc. as the workers see them, for the manifest.
-        vc = self.generator.vllm_config
+        hostbuf.remove_orphans()
+        self.vllm_config = EngineArgs(**engine_args(cfg, info)).create_engine_config()
+        self.executor = Executor.get_class(self.vllm_config)(self.vllm_config)
+        try:
+            self._setup_capture(int(cfg.engine.host_buffers))
+            self._setup_scheduler()
+        except BaseException:
+            self.close()
+            raise
+        self._calls = 0
+        vc = self.vllm_config
         self.describe = {
             "block_size": vc.cache_config.block_size,
             "enable_prefix_caching": vc.cache_config.enable_prefix_caching,
@@ -95,46 +187,132 @@ class VllmEngine:
             "max_num_batched_tokens": vc.scheduler_config.max_num_batched_tokens,
             "async_scheduling": vc.scheduler_config.async_scheduling,
             "executor": vc.parallel_config.distributed_executor_backend,
-            "patches": [p["name"] for p in self.patches.get("series", [])],
+            "host_buffer_pinned": self.pinned,
         }
 
-    @property
-    def max_batch_tokens(self) -> int:
-        return self.generator.max_tokens_per_call
+    # --- start-up, as vllm.v1.engine.core.EngineCore does it --------------------------
+
+    def _setup_capture(self, slots: int) -> None:
+        self.max_batch_tokens = self.vllm_config.scheduler_config.max_num_batched_tokens
+        rows = self.max_batch_tokens + CAPTURE_SLACK_ROWS
+        plans = self.executor.collective_rpc("capture_setup", args=(self.layer_ids, rows))
+        covered = sorted(c for plan in plans if plan for c in plan["columns"])
+        if covered != list(range(len(self.layer_ids))):
+            raise RuntimeError(f"capture plan covers layer columns {covered}, expected each "
+                               f"of {list(range(len(self.layer_ids)))} once: {plans}")
+        self.host = hostbuf.HostBuffer(slots, rows, len(self.layer_ids),
+                                       self.vllm_config.model_config.get_hidden_size(),
+                                       self.vllm_config.model_config.dtype)
+        replies = self.executor.collective_rpc(
+            "capture_attach_host", args=(self.host.path, self.host.shape, self.host.host))
+        self.pinned = all(r["pinned"] for r in replies if r)
+
+    def _setup_scheduler(self) -> None:
+        from vllm.v1.core.kv_cache_utils import (
+            generate_scheduler_kv_cache_config,
+            get_kv_cache_configs,
+        )
+        from vllm.v1.core.sched.scheduler import Scheduler
+        from vllm.v1.structured_output import StructuredOutputManager
+
+        vc = self.vllm_config
+        # Specs and configs are per worker (indexed by global rank, so pipeline
+        # stages get their own layers); the executor profiles memory on every platform.
+        configs = get_kv_cache_configs(vc, self.executor.get_kv_cache_specs(),
+                                       self.executor.determine_available_memory())
+        kv_cache_config = generate_scheduler_kv_cache_config(configs)
+        vc.cache_config.num_gpu_blocks = kv_cache_config.num_blocks
+        vc.cache_config.num_cpu_blocks = 0
+        self.executor.initialize_from_config(configs)
+        par = vc.parallel_config
+        # The block size from the built config: MLA backends force 64 or 128 on GPU.
+        self.scheduler = Scheduler(
+            vllm_config=vc, kv_cache_config=kv_cache_config,
+            structured_output_manager=StructuredOutputManager(vc),
+            block_size=vc.cache_config.block_size * par.decode_context_parallel_size
+            * par.prefill_context_parallel_size)
+
+    # --- one call -------------------------------------------------------------------
+
+    def _run(self, token_ids: list[list[int]], capture: bool) -> tuple[list[str], dict]:
+        """Schedule every prompt whole and step until all ran; return request ids."""
+        from vllm.sampling_params import SamplingParams
+        from vllm.v1.request import Request, RequestStatus
+
+        max_len = self.vllm_config.model_config.max_model_len - 1  # + 1 sampled token
+        too_long = [i for i, ids in enumerate(token_ids) if len(ids) > max_len]
+        if too_long:  # cutting here would be silent: the job truncates or skips, and counts
+            raise ValueError(f"prompts {too_long} are longer than max_model_len - 1 = "
+                             f"{max_len} tokens; truncate or skip them first")
+        if any(len(ids) == 0 for ids in token_ids):
+            raise ValueError("an empty prompt: every sample needs at least one token")
+        total = sum(map(len, token_ids))
+        if total > self.max_batch_tokens:
+            raise ValueError(f"{total} tokens in one call; at most {self.max_batch_tokens} "
+                             "(max_num_batched_tokens) fit the capture buffers")
+        self._calls += 1
+        lens: dict[str, int] = {}
+        params = SamplingParams(max_tokens=1, temperature=0.0)
+        for i, ids in enumerate(token_ids):
+            rid = f"c{self._calls}-{i}"
+            lens[rid] = len(ids)
+            self.scheduler.add_request(Request(request_id=rid, prompt_token_ids=list(ids),
+                                               sampling_params=params, pooling_params=None,
+                                               eos_token_id=None, arrival_time=0.0))
+        self.executor.collective_rpc("capture_reset", args=(capture,))
+        while self.scheduler.has_unfinished_requests():
+            out = self.scheduler.schedule()
+            if out.total_num_scheduled_tokens == 0:
+                raise RuntimeError("the scheduler scheduled nothing: KV cache too small for "
+                                   "one prompt? (raise model.gpu_memory_utilization)")
+            # vLLM 0.16 executes in two phases. Finished requests reach the workers
+            # with the next step's output (or the next call's first step).
+            if self.executor.execute_model(out) is None:
+                self.executor.sample_tokens(None)
+            for rid, n in out.num_scheduled_tokens.items():
+                if n != lens[rid]:  # would be truncated: every request ends after one step
+                    raise RuntimeError(f"request {rid} scheduled {n} of {lens[rid]} tokens "
+                                       "in one step; its hidden states would be truncated")
+                self.scheduler.finish_requests([rid], RequestStatus.FINISHED_ABORTED)
+        return list(lens), lens
 
     def prefill(self, batch: Batch) -> None:
-        """The same scheduler steps with capture off (benchmark baseline)."""
-        self.generator.prefill([s.input_ids for s in batch.samples])
+        """The same scheduler steps with capture off (the benchmark's baseline)."""
+        self._run([s.input_ids for s in batch.samples], capture=False)
 
     def extract(self, batch: Batch) -> ExtractedBatch:
         t0 = time.perf_counter()
-        host = self.generator.generate_to_host([s.input_ids for s in batch.samples])
-        states = [host.sample(i) for i in range(len(batch.samples))]
-        expect_tail = (len(self.layer_ids), self.hidden_size)
-        for sample, st in zip(batch.samples, states):
-            if st.shape != (len(sample), *expect_tail) or st.dtype != self.dtype:
-                host.release()
-                raise RuntimeError(
-                    f"sample {sample.index}: states {tuple(st.shape)} {st.dtype}, expected "
-                    f"({len(sample)}, {expect_tail[0]}, {expect_tail[1]}) {self.dtype}"
-                )
-        return ExtractedBatch(
-            batch.samples, states, release=_once(host.release),
-            seconds=time.perf_counter() - t0,
-            # The generator refuses NaN/Inf rows, checked on the workers' devices.
-            finite_checked=True,
-        )
+        req_ids, lens = self._run([s.input_ids for s in batch.samples], capture=True)
+        slot = self.host.acquire()
+        release = _once(lambda: self.host.release(slot))
+        try:
+            replies = self.executor.collective_rpc("capture_flush", args=(slot,))
+            steps, positions, finite = check_replies(replies, len(self.layer_ids))
+            spans = locate(steps, positions, lens, req_ids)
+            bad = [batch.samples[i].index for i, (first, n) in enumerate(spans)
+                   if not finite[first:first + n].all()]
+            if bad:
+                raise RuntimeError(f"NaN or Inf in the hidden states of samples {bad}")
+        except BaseException:
+            release()
+            raise
+        slot_states = self.host.tensor[slot]
+        states = [slot_states[first:first + n] for first, n in spans]
+        return ExtractedBatch(batch.samples, states, release=release,
+                              seconds=time.perf_counter() - t0, finite_checked=True)
 
     def close(self) -> None:
-        gen = self.__dict__.pop("generator", None)
-        if gen is None:
-            return
-        gen.shutdown()
-        # The uni-process executor initialises torch.distributed in this
-        # process; tear it down so the next engine (Hydra multirun) starts clean.
-        from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+        executor = self.__dict__.pop("executor", None)
+        if executor is not None:
+            executor.shutdown()
+            # The uni-process executor initialises torch.distributed in this
+            # process; tear it down so the next engine (Hydra multirun) starts clean.
+            from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
 
-        cleanup_dist_env_and_memory()
+            cleanup_dist_env_and_memory()
+        host = self.__dict__.pop("host", None)
+        if host is not None:
+            host.close()
         if self._affinity:
             os.sched_setaffinity(0, self._affinity)
 

@@ -1,0 +1,128 @@
+"""The capture inside vLLM's workers: a worker extension loaded by qualified name.
+
+vLLM adds `worker_extension_cls` to its Worker's bases, so these methods run
+in every worker process and the driver calls them with `collective_rpc`.
+
+Capture is by forward hooks on the decoder layers (engine/layers.py), never a
+copy of the model's layer loop: vLLM 0.16 calls layers positionally and
+DeepseekV2/V3 (Kimi-K2.5) layers take a fourth `llama_4_scaling` argument that
+a copied loop silently drops. Only TP rank 0 of each pipeline stage captures
+(all TP ranks hold the same all-reduced stream), each stage the layers it owns.
+
+Rows go into a preallocated device buffer in the order the model runner laid
+out the tokens; per forward pass the extension records that order (request
+ids) and the token positions, so the driver can cut rows per request and check
+that every request ran whole, from position 0 (engine/vllm.py).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from . import hostbuf, resolve_layer_ids
+from .layers import find_decoder_layers, residual_stream
+
+log = logging.getLogger(__name__)
+
+QUALNAME = f"{__name__}.CaptureExtension"
+
+
+class CaptureExtension:
+    """Mixed into vLLM's Worker; `self.model_runner` is the worker's runner."""
+
+    def capture_setup(self, layer_ids: list[int], max_rows: int) -> dict | None:
+        """Attach hooks for the layers this rank owns; return its capture plan."""
+        from vllm.distributed import get_pp_group, get_tp_group
+        from vllm.model_executor.models.utils import PPMissingLayer
+
+        runner = self.model_runner  # type: ignore[attr-defined]
+        path, layers = find_decoder_layers(runner.model)
+        self.capture_layer_ids = resolve_layer_ids(list(layer_ids), len(layers))
+        for handle in getattr(self, "_capture_hooks", []):
+            handle.remove()
+        self._capture_hooks: list = []
+        self._columns: list[int] = []
+        self._device_buf: torch.Tensor | None = None
+        self._steps: list[tuple[list[str], int, int]] = []
+        self._rows = 0
+        self.capture_enabled = True
+        if get_tp_group().rank_in_group != 0:
+            return None
+        self._columns = [c for c, k in enumerate(layer_ids)
+                         if not isinstance(layers[k - 1], PPMissingLayer)]
+        if not self._columns:
+            return None
+        hidden = runner.model_config.get_hidden_size()
+        self._device_buf = torch.empty((max_rows, len(layer_ids), hidden),
+                                       dtype=runner.model_config.dtype, device=runner.device)
+        self._positions = torch.empty(max_rows, dtype=torch.long, device=runner.device)
+        for column in self._columns:
+            hook = self._hook(column, first=column == self._columns[0])
+            self._capture_hooks.append(
+                layers[layer_ids[column] - 1].register_forward_hook(hook, with_kwargs=True))
+        pp_rank = get_pp_group().rank_in_group
+        log.info("capture on PP rank %d (%s, %d layers): ids %s", pp_rank, path, len(layers),
+                 [layer_ids[c] for c in self._columns])
+        return {"pp_rank": pp_rank, "columns": self._columns, "layers_path": path,
+                "num_layers": len(layers)}
+
+    def _hook(self, column: int, first: bool):
+        def hook(module, args, kwargs, output):
+            if not self.capture_enabled:
+                return
+            state = residual_stream(output)
+            rows = state.shape[0]
+            if first:  # the first captured layer of a forward pass opens a step
+                start = self._rows
+                if start + rows > self._device_buf.shape[0]:
+                    raise RuntimeError(
+                        f"capture buffer overflow: {start + rows} rows > "
+                        f"{self._device_buf.shape[0]}; lower engine.token_budget")
+                positions = args[0] if args else kwargs["positions"]
+                if positions.dim() == 2:  # M-RoPE: [3, T]
+                    positions = positions[0]
+                self._positions[start:start + rows].copy_(positions[:rows])
+                req_ids = [r for r in self.model_runner.input_batch.req_ids if r is not None]
+                self._steps.append((req_ids, start, rows))
+                self._rows = start + rows
+            _, start, step_rows = self._steps[-1]
+            if rows != step_rows:
+                raise RuntimeError(f"layer id {self.capture_layer_ids[column]} saw {rows} rows, "
+                                   f"the step has {step_rows}")
+            self._device_buf[start:start + rows, column].copy_(state)
+
+        return hook
+
+    def capture_reset(self, enabled: bool = True) -> None:
+        """Start a call; `enabled=False` makes the hooks no-ops (the prefill baseline)."""
+        self._steps, self._rows = [], 0
+        self.capture_enabled = enabled
+
+    def capture_attach_host(self, path: str, shape: tuple[int, ...], driver_host: str):
+        """Map the driver's shared host buffer (engine/hostbuf.py)."""
+        if self._device_buf is None:
+            return None
+        self._host_buf, self._host_pinned = hostbuf.attach(
+            path, tuple(shape), self._device_buf.dtype, driver_host,
+            pin=self._device_buf.is_cuda)
+        return {"pinned": self._host_pinned}
+
+    def capture_flush(self, slot: int) -> dict | None:
+        """Copy this call's rows into host slot `slot`: one device-to-host copy per call.
+
+        Returns the layout only (columns owned, steps, positions, a per-row finite
+        flag computed on the device); the states are in the slot.
+        """
+        if self._device_buf is None:
+            return None
+        rows, c0, c1 = self._rows, self._columns[0], self._columns[-1] + 1
+        captured = self._device_buf[:rows, c0:c1]
+        finite = torch.isfinite(captured).flatten(1).all(dim=1)
+        self._host_buf[slot, :rows, c0:c1].copy_(captured, non_blocking=self._host_pinned)
+        positions = self._positions[:rows].to("cpu")  # synchronizes the stream
+        out = {"columns": self._columns, "steps": self._steps, "positions": positions,
+               "finite": finite.to("cpu")}
+        self._steps, self._rows = [], 0
+        return out

@@ -1,0 +1,362 @@
+"""One extraction job: preflight, the loop data -> batching -> engine -> writer, the manifest.
+
+Preflight first: everything that can be wrong with a config (model shape, layer
+ids, tokenizer, dataset, output dir, disk space, run identity, vLLM engine
+args) is checked in seconds, before the engine spends minutes loading a model.
+A preflight failure is a PreflightError whose message names the key to change
+(the cli prints it and exits 2).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from . import token_freq
+from .batching import iter_batches, plan_batches, shard_mask, todo_mask
+from .config import ConfigError, PreflightError, max_length, validate
+from .data import Renderer, Tokenized, build_dataset, load_tokenizer, read_nonempty
+from .layout import clean_stale_temps, file_bytes, finished_indices, layout_pattern, manifest_name
+from .manifest import (
+    Manifest,
+    check_run_json,
+    clean_json_temps,
+    new_manifest,
+    run_identity,
+    write_json_atomic,
+    write_run_json,
+)
+from .progress import Progress
+from .status import process_identity
+from .types import Batch, Engine
+from .writer import Writer
+
+log = logging.getLogger("eagle3_extract")
+MANIFEST_EVERY_S = 60.0
+# Set by the data-parallel launcher: the job's tokenized samples, made once (parallel.py).
+TOKENIZED_ENV = "EAGLE3_TOKENIZED"
+
+
+@dataclass
+class Plan:
+    """Everything preflight established; the extraction needs nothing else."""
+
+    cfg: Any
+    resolved: dict[str, Any]
+    root: Path
+    info: Any
+    layer_ids: list[int]
+    ident: dict[str, Any]
+    mine: Tokenized  # this shard's usable samples
+    todo: Tokenized  # of those, the ones without a final file
+    resumed: int  # finished files found at start (this shard)
+    stale_temps: int
+    preflight_s: float
+
+    @property
+    def shard(self) -> tuple[int, int]:
+        return int(self.cfg.shard.index), int(self.cfg.shard.count)
+
+
+def _resolve(cfg: Any) -> dict[str, Any]:
+    try:
+        return OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
+    except OmegaConfBaseException as e:
+        msg = str(e).splitlines()[0]
+        missing = re.search(r"Missing mandatory value: (\S+)", msg)
+        if missing:
+            key = missing.group(1) if "." in missing.group(1) else (e.full_key or missing.group(1))
+            raise ConfigError(
+                f"{key} is missing: set it on the command line (e.g. "
+                "layers=explicit layers.ids=[1,3,5]; dataset=local dataset.path=/data/x.jsonl)"
+            ) from e
+        raise ConfigError(f"config error: {msg}") from e
+
+
+def _check_writable(root: Path) -> None:
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        probe = root / f".write-probe-{os.getpid()}"
+        probe.write_bytes(b"ok")
+        probe.unlink()
+    except OSError as e:
+        raise PreflightError(
+            f"output.dir={str(root)!r} is not writable ({e.strerror or e}); set output.dir "
+            "to a writable directory"
+        ) from e
+
+
+def _check_engine_args(cfg: Any) -> None:
+    if str(cfg.engine.name) == "vllm" and cfg.engine.vllm_args:
+        from .engine.vllm import check_vllm_args
+
+        check_vllm_args(cfg)
+
+
+def _samples(cfg: Any, tokenizer: Any, max_len: int, ident: dict[str, Any],
+             rows: list[Any] | None) -> Tokenized:
+    """This job's usable samples: from the launcher's tokenized set, or tokenized here."""
+    artifact = os.environ.get(TOKENIZED_ENV)
+    if artifact:
+        try:
+            data = Tokenized.load(Path(artifact), ident["run_id"])
+        except (OSError, ValueError, KeyError) as e:
+            raise PreflightError(f"{TOKENIZED_ENV}={artifact}: {e}; unset it to tokenize "
+                                 "the dataset here") from e
+        log.info("samples from the launcher's tokenized set %s", artifact)
+    else:
+        data = build_dataset(cfg.dataset, tokenizer, max_len, rows)
+    return data.select(shard_mask(data.indices, int(cfg.shard.index), int(cfg.shard.count)))
+
+
+def preflight(cfg: Any) -> Plan:
+    """Check the config against the model, data and disk; raise PreflightError."""
+    from .engine import inspect_model, resolve_layer_ids
+
+    t0 = time.perf_counter()
+    validate(cfg)
+    resolved = _resolve(cfg)
+    root = Path(os.path.abspath(os.path.expanduser(str(cfg.output.dir))))
+    # Cheap checks first: a wrong path should not wait for a model config to load.
+    _check_writable(root)
+    rows = None if os.environ.get(TOKENIZED_ENV) else read_nonempty(cfg.dataset)
+    max_len = max_length(cfg)
+    if cfg.engine.token_budget < max_len:
+        raise PreflightError(
+            f"engine.token_budget={cfg.engine.token_budget} is smaller than the longest "
+            f"allowed sample ({max_len} tokens = dataset.max_length or model.max_model_len - 1)"
+            f"; raise engine.token_budget to >= {max_len} or lower dataset.max_length"
+        )
+    _check_engine_args(cfg)
+    try:
+        info = inspect_model(cfg.model)
+    except (ValueError, OSError) as e:
+        raise PreflightError(f"model.path={str(cfg.model.path)!r}: {e}") from e
+    try:
+        layer_ids = resolve_layer_ids(
+            None if cfg.layers.ids is None else list(cfg.layers.ids), info.num_layers
+        )
+    except ValueError as e:
+        raise PreflightError(f"layers.ids: {e}") from e
+    tokenizer = load_tokenizer(info.tokenizer_path, bool(cfg.model.trust_remote_code))
+    renderer = Renderer(tokenizer)  # raises if there is no chat template
+    ident = run_identity(cfg, info, layer_ids, tokenizer, max_len)
+    resuming = check_run_json(root, ident)
+
+    mine = _samples(cfg, renderer.tok, max_len, ident, rows)
+    fmt = str(cfg.output.format)
+    done = finished_indices(root, fmt)
+    todo = mine.select(todo_mask(mine.indices, done))
+
+    itemsize = info.dtype.itemsize
+    per_token = len(layer_ids) * info.hidden_size * itemsize + 9  # + int64 id + uint8 mask
+    need = int(todo.lengths.sum()) * per_token + len(todo) * 4096
+    free = shutil.disk_usage(root).free
+    if need > free:
+        raise PreflightError(
+            f"output.dir={str(root)!r}: {len(todo)} samples need about {need / 1e9:.2f} GB "
+            f"({int(todo.lengths.sum())} tokens x {len(layer_ids)} layers x hidden "
+            f"{info.hidden_size} x {itemsize} bytes), only {free / 1e9:.2f} GB free; free "
+            "space, set output.dir elsewhere, or lower dataset.max_samples"
+        )
+    if not resuming:  # shards starting together need not all rewrite it
+        write_run_json(root, ident)
+    index, count = int(cfg.shard.index), int(cfg.shard.count)
+    stale = clean_stale_temps(root, owned=lambda i: i % count == index)
+    clean_json_temps(root, [manifest_name(index, count), manifest_name(index, count, "token_freq")])
+    return Plan(
+        cfg=cfg, resolved=resolved, root=root, info=info, layer_ids=layer_ids, ident=ident,
+        mine=mine, todo=todo, resumed=len(mine) - len(todo), stale_temps=stale,
+        preflight_s=time.perf_counter() - t0,
+    )
+
+
+@dataclass
+class LoopTimes:
+    """Where the loop's wall time went: in engine.extract, blocked in submit (every host
+    slot in flight), and draining the writer after the last batch."""
+
+    extract_s: float = 0.0
+    submit_s: float = 0.0
+    drain_s: float = 0.0
+    engine_s: float = 0.0  # as the engine measured its own calls
+    batches: int = 0
+
+
+def extraction_loop(engine: Engine, writer: Writer, batches: Iterable[Batch],
+                    tick: Callable[[], None] | None = None) -> LoopTimes:
+    """The job's hot loop, also what the benchmark times: extract batch i while the
+    writer threads write batch i-1, then drain the writer."""
+    times = LoopTimes()
+    try:
+        for batch in batches:
+            t0 = time.perf_counter()
+            eb = engine.extract(batch)
+            t1 = time.perf_counter()
+            writer.submit(eb)
+            times.extract_s += t1 - t0
+            times.submit_s += time.perf_counter() - t1
+            times.engine_s += eb.seconds
+            times.batches += 1
+            if tick is not None:
+                tick()
+    except BaseException:
+        try:
+            writer.close()  # write what was extracted; the original error goes on
+        except Exception as e:  # noqa: BLE001
+            log.error("writer: %s", e)
+        raise
+    t0 = time.perf_counter()
+    writer.close()  # re-raises the first writer error
+    times.drain_s = time.perf_counter() - t0
+    return times
+
+
+def new_writer(plan: Plan, engine: Engine, on_sample: Callable | None = None) -> Writer:
+    cfg = plan.cfg
+    return Writer(plan.root, str(cfg.output.format), int(cfg.output.files_per_dir),
+                  plan.layer_ids, plan.info.hidden_size, plan.info.dtype,
+                  plan.ident["run_id"], threads=int(cfg.output.writer_threads),
+                  max_pending=int(cfg.engine.host_buffers), on_sample=on_sample)
+
+
+def plan_engine_batches(plan: Plan, engine: Engine) -> list:
+    budget = int(plan.cfg.engine.token_budget)
+    budget = min(budget, int(getattr(engine, "max_batch_tokens", budget) or budget))
+    return plan_batches(plan.todo.lengths, budget, int(plan.cfg.engine.max_num_seqs))
+
+
+def run(cfg: Any) -> dict[str, Any]:
+    """Run one job (one shard, one engine); return the final manifest as a dict."""
+    t_start = time.perf_counter()
+    if int(cfg.parallel.data_parallel_size) > 1:
+        raise ConfigError(
+            "parallel.data_parallel_size > 1 runs one process per replica: use the "
+            "eagle3-extract command (or eagle3_extract.parallel.launch), not job.run()"
+        )
+    plan = preflight(cfg)
+    root, mine, todo = plan.root, plan.mine, plan.todo
+    fmt, per_dir = str(cfg.output.format), int(cfg.output.files_per_dir)
+    manifest = new_manifest(plan.resolved, plan.ident, plan.info, plan.layer_ids,
+                            layout_pattern(fmt, per_dir), plan.shard)
+    manifest.process = process_identity()  # lets eagle3-status tell a killed job
+    manifest.data = mine.report
+    log.info(
+        "preflight ok in %.1fs: %d samples for this shard (%d tokens), %d already done, "
+        "%d to do; layers %s; output %s",
+        plan.preflight_s, len(mine), int(mine.lengths.sum()), plan.resumed, len(todo),
+        plan.layer_ids, root,
+    )
+    if plan.stale_temps:
+        log.info("removed %d stale temp files from an interrupted run", plan.stale_temps)
+    if bool(cfg.dry_run):
+        log.info("dry_run: preflight only, nothing extracted")
+        return {"status": "dry_run", "preflight_s": plan.preflight_s, "samples": len(mine),
+                "to_do": len(todo)}
+
+    timings: dict[str, float] = {"preflight_s": round(plan.preflight_s, 3)}
+    tokens_mine = int(mine.lengths.sum())
+    tokens_before = tokens_mine - int(todo.lengths.sum())
+    engine = writer = progress = None
+    status = "failed"
+
+    def snapshot(state: str) -> None:
+        done_now = writer.written if writer else 0
+        manifest.status = state
+        manifest.updated = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+        manifest.progress = {"done_at_start": plan.resumed, "written_this_run": done_now,
+                             "to_do_at_start": len(todo), "samples": len(mine),
+                             "tokens": tokens_mine,
+                             "tokens_done": tokens_before + (writer.tokens if writer else 0)}
+        manifest.timings = timings
+        manifest.write(root)
+
+    last = time.monotonic()
+
+    def tick() -> None:
+        nonlocal last
+        if time.monotonic() - last > MANIFEST_EVERY_S:
+            last = time.monotonic()
+            snapshot("running")
+
+    snapshot("running")
+    try:
+        if len(todo):
+            from .engine import build_engine
+
+            t = time.perf_counter()
+            engine = build_engine(cfg, plan.info, plan.layer_ids)
+            timings["engine_start_s"] = round(time.perf_counter() - t, 3)
+            manifest.engine = {"name": str(cfg.engine.name),
+                               "describe": getattr(engine, "describe", None)}
+            batches = plan_engine_batches(plan, engine)
+            progress = Progress(len(todo), int(todo.lengths.sum()))
+            writer = new_writer(plan, engine, on_sample=progress.on_sample)
+            t = time.perf_counter()
+            loop = extraction_loop(engine, writer, iter_batches(todo, batches), tick)
+            timings["extract_s"] = round(time.perf_counter() - t, 3)
+            timings["engine_s"] = round(loop.engine_s, 3)
+        status = "complete"
+    finally:
+        if progress is not None:
+            progress.close()
+        if engine is not None:
+            engine.close()
+        if status != "complete":
+            snapshot("failed")
+
+    done = finished_indices(root, fmt)
+    missing = [int(i) for i in mine.indices if int(i) not in done]
+    if missing:
+        snapshot("failed")
+        raise RuntimeError(f"{len(missing)} samples have no file after the run: {missing[:10]}")
+    freq_path = root / manifest_name(*plan.shard, "token_freq")
+    write_json_atomic(freq_path, token_freq.of_tokenized(mine))
+
+    written = writer.written if writer else 0
+    tokens_run = writer.tokens if writer else 0
+    timings["total_s"] = round(time.perf_counter() - t_start, 3)
+    if timings.get("extract_s"):
+        timings["tokens_per_s"] = round(tokens_run / timings["extract_s"], 1)
+    manifest.counts = {
+        "samples": len(mine),
+        "written": len(mine),
+        "written_this_run": written,
+        "resumed": plan.resumed,
+        "skipped": mine.report["skipped"],
+        "skipped_total": mine.report["skipped_total"],
+        "truncated": int(mine.truncated.sum()),
+    }
+    manifest.tokens = {"total": int(mine.lengths.sum()),
+                       "loss": int(mine.mask.sum()), "this_run": tokens_run}
+    manifest.bytes = {
+        "data": file_bytes(root, mine.indices.tolist(), per_dir, fmt),
+        "this_run": writer.bytes if writer else 0,
+    }
+    manifest.token_freq = freq_path.name
+    manifest.finished = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+    snapshot("complete")
+    _summary(manifest, root)
+    return manifest.to_dict()
+
+
+def _summary(m: Manifest, root: Path) -> None:
+    c, t = m.counts, m.timings
+    skipped = {k: v for k, v in c["skipped"].items() if v}
+    log.info(
+        "done: %d samples in %s (%d written now, %d from before), %d tokens, %.3f GB; "
+        "skipped %d%s; truncated %d; %s tok/s; total %.1fs",
+        c["samples"], root, c["written_this_run"], c["resumed"], m.tokens["total"],
+        m.bytes["data"] / 1e9, c["skipped_total"], f" {skipped}" if skipped else "",
+        c["truncated"], t.get("tokens_per_s", "-"), t["total_s"],
+    )

@@ -1,0 +1,109 @@
+"""The on-disk layout of an output dir: every path, temp and manifest name, and the scans.
+
+Torch-free, so eagle3-status and eagle3-validate start at once. The writer,
+the job, status, validate and parallel all take names from here.
+
+    <root>/run.json                        run identity (manifest.py)
+    <root>/manifest[.shard-i-of-c].json    one per shard when shards share the dir
+    <root>/token_freq[.shard-i-of-c].json
+    <root>/data/<index // files_per_dir:05d>/<index:09d><ext>
+
+A sample file appears under its final name only when complete (temp name in
+the same dir, fsync, rename). Temp names start with "." and end in "-<pid>":
+never `*.safetensors` or `*pt` (speculators' loader takes every file whose
+name ends in "pt" for a sample).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+DATA_DIR = "data"
+RUN_JSON = "run.json"
+EXTENSIONS = {"safetensors": ".safetensors", "speculators_pt": ".pt"}
+SAMPLE_TEMP = re.compile(r"^\.(\d+)\.(safetensors|pt)\.tmp-\d+$")
+MANIFEST_RE = re.compile(r"^manifest(?:\.shard-(\d+)-of-(\d+))?\.json$")
+SUBDIR_RE = re.compile(r"^\d{5,}$")
+# Files the job and its tools write next to data/.
+TOP_LEVEL_RE = re.compile(
+    r"^(manifest|token_freq)(\.shard-\d+-of-\d+)?\.json$"
+    r"|^run\.json$|^(validate|verify)_report\.json$"
+)
+
+
+def manifest_name(shard_index: int, shard_count: int, stem: str = "manifest") -> str:
+    """`manifest.json`, or one file per shard when shards share a directory."""
+    if shard_count == 1:
+        return f"{stem}.json"
+    return f"{stem}.shard-{shard_index:05d}-of-{shard_count:05d}.json"
+
+
+def json_temp_name(name: str, tag: str) -> str:
+    return f".{name}.tmp-{tag}"
+
+
+def sample_path(root: Path, index: int, files_per_dir: int, fmt: str) -> Path:
+    return root / DATA_DIR / f"{index // files_per_dir:05d}" / f"{index:09d}{EXTENSIONS[fmt]}"
+
+
+def sample_temp(path: Path) -> Path:
+    return path.with_name(f".{path.name}.tmp-{os.getpid()}")
+
+
+def layout_pattern(fmt: str, files_per_dir: int) -> str:
+    """The sample path template as the manifest records it."""
+    return f"data/{{index // {files_per_dir}:05d}}/{{index:09d}}{EXTENSIONS[fmt]}"
+
+
+def _subdirs(root: Path) -> Iterable[os.DirEntry]:
+    data = root / DATA_DIR
+    if not data.is_dir():
+        return []
+    return [d for d in os.scandir(data) if d.is_dir()]
+
+
+def sample_files(root: Path, fmt: str) -> dict[int, os.DirEntry]:
+    """Index -> final sample file, for every final file under data/."""
+    ext = EXTENSIONS[fmt]
+    files: dict[int, os.DirEntry] = {}
+    for sub in _subdirs(root):
+        for e in os.scandir(sub.path):
+            stem = e.name[: -len(ext)]
+            if e.name.endswith(ext) and stem.isdigit() and e.is_file():
+                files[int(stem)] = e
+    return files
+
+
+def finished_indices(root: Path, fmt: str) -> set[int]:
+    """Indices whose final file exists (written completely, by construction)."""
+    return set(sample_files(root, fmt))
+
+
+def clean_stale_temps(root: Path, owned: Callable[[int], bool] = lambda i: True) -> int:
+    """Delete sample temp files left by a killed run, for the indices this job owns.
+
+    `owned` keeps a shard from deleting another live shard's temp files when
+    several shards write into one directory.
+    """
+    removed = 0
+    for sub in _subdirs(root):
+        for entry in os.scandir(sub.path):
+            m = SAMPLE_TEMP.match(entry.name)
+            if m and owned(int(m.group(1))):
+                os.unlink(entry.path)
+                removed += 1
+    return removed
+
+
+def file_bytes(root: Path, indices: Iterable[int], files_per_dir: int, fmt: str) -> int:
+    """Total size of the final files of `indices` (missing files count 0)."""
+    total = 0
+    for i in indices:
+        try:
+            total += sample_path(root, i, files_per_dir, fmt).stat().st_size
+        except FileNotFoundError:
+            pass
+    return total

@@ -1,0 +1,96 @@
+"""Reading a model's config: one place for the shape every stage needs.
+
+Multimodal wrappers (Kimi-K2.5, ...) keep the decoder's shape in `text_config`;
+`text_config()` is the one place that knows it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+MOE_KEYS = ("n_routed_experts", "num_experts", "num_local_experts")
+
+
+def read_config(path: str, trust_remote_code: bool = False) -> tuple[dict[str, Any], str | None]:
+    """(config dict, sha256 of config.json or None for a hub id read through the HF cache)."""
+    cfg_file = Path(path) / "config.json"
+    if cfg_file.is_file():
+        raw = cfg_file.read_bytes()
+        return json.loads(raw), hashlib.sha256(raw).hexdigest()
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code).to_dict(), None
+    except Exception as e:  # noqa: BLE001 - re-raised with the fix
+        raise ValueError(
+            f"model.path={path!r}: no config.json there and it could not be read as a hub "
+            f"id ({type(e).__name__}: {e}). Give a local model directory or a reachable "
+            "hub id (set HF_TOKEN for gated models)."
+        ) from e
+
+
+def text_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    return cfg.get("text_config") or cfg
+
+
+def is_moe(cfg: dict[str, Any]) -> bool:
+    text = text_config(cfg)
+    return any(text.get(k) for k in MOE_KEYS)
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the job needs to know about a model, read from config.json alone."""
+
+    path: str
+    tokenizer_path: str
+    architecture: str
+    num_layers: int
+    hidden_size: int
+    dtype: torch.dtype
+    config_sha256: str | None
+
+
+def _dtype(name: str | None, cfg: dict[str, Any]) -> torch.dtype:
+    if name in (None, "auto"):
+        name = text_config(cfg).get("torch_dtype") or cfg.get("torch_dtype") or "bfloat16"
+    dt = getattr(torch, str(name).replace("torch.", ""), None)
+    if not isinstance(dt, torch.dtype):
+        raise ValueError(f"model.dtype={name!r} is not a torch dtype (use bfloat16, float16 or float32)")
+    return dt
+
+
+def inspect_model(model_cfg: Any) -> ModelInfo:
+    """Resolve `model.path` and read its shape without loading weights.
+
+    `path: tiny` builds the embedded tiny model (deterministic random weights).
+    Hub ids are read through the HF cache; nothing is downloaded here unless the
+    user's environment allows it.
+    """
+    path = str(model_cfg.path)
+    if path == "tiny":
+        from .tiny import build_tiny_model
+
+        path = str(build_tiny_model(model_cfg.tiny_config or "llama"))
+    cfg, sha = read_config(path, bool(model_cfg.trust_remote_code))
+    text = text_config(cfg)
+    if "num_hidden_layers" not in text or "hidden_size" not in text:
+        raise ValueError(f"{path}: config has no num_hidden_layers/hidden_size")
+    tok = getattr(model_cfg, "tokenizer", None) or path
+    return ModelInfo(
+        path=path,
+        tokenizer_path=str(tok),
+        architecture=(cfg.get("architectures") or ["?"])[0],
+        num_layers=int(text["num_hidden_layers"]),
+        hidden_size=int(text["hidden_size"]),
+        dtype=_dtype(getattr(model_cfg, "dtype", None), cfg),
+        config_sha256=sha,
+    )
+
+
