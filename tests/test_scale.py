@@ -303,11 +303,11 @@ def test_a_tokenized_set_of_another_run_is_refused(tmp_path, offline, monkeypatc
     from eagle3_extract.job import TOKENIZED_ENV, preflight
 
     plan = preflight(compose_cfg(*HF, f"output.dir={tmp_path}/a"))
-    plan.mine.save(tmp_path / "t.npz", plan.ident["run_id"])
-    monkeypatch.setenv(TOKENIZED_ENV, str(tmp_path / "t.npz"))
+    plan.mine.save(tmp_path / "t", {"ident": plan.ident})
+    monkeypatch.setenv(TOKENIZED_ENV, str(tmp_path / "t"))
     same = preflight(compose_cfg(*HF, f"output.dir={tmp_path}/b"))
     assert (same.mine.indices == plan.mine.indices).all() and (same.mine.ids == plan.mine.ids).all()
-    with pytest.raises(PreflightError, match=f"{TOKENIZED_ENV}=.*tokenized for"):
+    with pytest.raises(PreflightError, match=f"{TOKENIZED_ENV}=.*tokenized for run"):
         preflight(compose_cfg(*HF, f"output.dir={tmp_path}/c", "dataset.seed=3"))
 
 

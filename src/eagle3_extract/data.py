@@ -359,24 +359,26 @@ class Tokenized:
             truncated=bool(self.truncated[j]),
         )
 
-    def save(self, path: Path, key: str) -> None:
-        """Write atomically, tagged with `key` (the run identity it was made under)."""
+    _ARRAYS = ("indices", "offsets", "ids", "mask", "truncated")
+
+    def save(self, path: Path, meta: dict[str, Any]) -> None:
+        """Write to directory `path` (one .npy per array, token ids as int32), `meta`
+        (the run identity it was made under) beside them; complete or absent."""
         tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-        with open(tmp, "wb") as f:
-            np.savez(f, indices=self.indices, offsets=self.offsets, ids=self.ids,
-                     mask=self.mask, truncated=self.truncated,
-                     meta=np.array(json.dumps({"key": key, "report": self.report})))
+        tmp.mkdir(parents=True)
+        for name in self._ARRAYS:
+            a = getattr(self, name)
+            np.save(tmp / f"{name}.npy", a.astype(np.int32) if name == "ids" else a)
+        (tmp / "meta.json").write_text(json.dumps({**meta, "report": self.report}))
         os.replace(tmp, path)
 
     @classmethod
-    def load(cls, path: Path, key: str) -> "Tokenized":
-        """The set `save` wrote under the same `key`; ValueError for any other."""
-        with np.load(path) as z:
-            meta = json.loads(str(z["meta"]))
-            if meta.get("key") != key:
-                raise ValueError(f"{path} was tokenized for {meta.get('key')}, not {key}")
-            return cls(z["indices"], z["offsets"], z["ids"], z["mask"], z["truncated"],
-                       meta["report"])
+    def load(cls, path: Path) -> tuple["Tokenized", dict[str, Any]]:
+        """(samples, meta) as `save` wrote them; the arrays are memory-mapped, so a
+        replica reads only the pages of the samples it selects."""
+        meta = json.loads((path / "meta.json").read_text())
+        arrays = {name: np.load(path / f"{name}.npy", mmap_mode="r") for name in cls._ARRAYS}
+        return cls(**arrays, report=meta.pop("report")), meta
 
     def select(self, keep: np.ndarray) -> "Tokenized":
         """The samples at positions `keep` (a boolean mask over usable samples)."""

@@ -29,6 +29,7 @@ from .data import Renderer, Tokenized, build_dataset, load_tokenizer, read_nonem
 from .layout import clean_stale_temps, file_bytes, finished_indices, layout_pattern, manifest_name
 from .manifest import (
     Manifest,
+    chat_template_sha256,
     check_run_json,
     clean_json_temps,
     new_manifest,
@@ -103,20 +104,30 @@ def _check_engine_args(cfg: Any) -> None:
         check_vllm_args(cfg)
 
 
-def _samples(cfg: Any, tokenizer: Any, max_len: int, ident: dict[str, Any],
-             rows: list[Any] | None) -> Tokenized:
-    """This job's usable samples: from the launcher's tokenized set, or tokenized here."""
+def _launcher_samples(cfg: Any, info: Any, layer_ids: list[int],
+                      max_len: int) -> tuple[Tokenized, dict[str, Any]] | None:
+    """The samples and run identity the data-parallel launcher made for this job, or None.
+
+    The launcher tokenized the dataset once (parallel.py). The set is trusted only if
+    this replica's own config yields the same run identity (the chat template's hash is
+    the launcher's: the tokenizer is not loaded again).
+    """
     artifact = os.environ.get(TOKENIZED_ENV)
-    if artifact:
-        try:
-            data = Tokenized.load(Path(artifact), ident["run_id"])
-        except (OSError, ValueError, KeyError) as e:
-            raise PreflightError(f"{TOKENIZED_ENV}={artifact}: {e}; unset it to tokenize "
-                                 "the dataset here") from e
-        log.info("samples from the launcher's tokenized set %s", artifact)
-    else:
-        data = build_dataset(cfg.dataset, tokenizer, max_len, rows)
-    return data.select(shard_mask(data.indices, int(cfg.shard.index), int(cfg.shard.count)))
+    if not artifact:
+        return None
+    try:
+        data, meta = Tokenized.load(Path(artifact))
+        template = meta["ident"]["model"]["chat_template_sha256"]
+    except (OSError, ValueError, KeyError) as e:
+        raise PreflightError(f"{TOKENIZED_ENV}={artifact}: unreadable ({e}); unset it to "
+                             "tokenize the dataset here") from e
+    ident = run_identity(cfg, info, layer_ids, template, max_len)
+    if ident["run_id"] != meta["ident"]["run_id"]:
+        raise PreflightError(f"{TOKENIZED_ENV}={artifact} was tokenized for run "
+                             f"{meta['ident']['run_id']}, this job is run {ident['run_id']}; "
+                             "unset it to tokenize the dataset here")
+    log.info("samples from the launcher's tokenized set %s", artifact)
+    return data, ident
 
 
 def preflight(cfg: Any) -> Plan:
@@ -148,12 +159,17 @@ def preflight(cfg: Any) -> Plan:
         )
     except ValueError as e:
         raise PreflightError(f"layers.ids: {e}") from e
-    tokenizer = load_tokenizer(info.tokenizer_path, bool(cfg.model.trust_remote_code))
-    renderer = Renderer(tokenizer)  # raises if there is no chat template
-    ident = run_identity(cfg, info, layer_ids, tokenizer, max_len)
+    from_launcher = _launcher_samples(cfg, info, layer_ids, max_len)
+    if from_launcher:
+        data, ident = from_launcher
+    else:
+        tokenizer = load_tokenizer(info.tokenizer_path, bool(cfg.model.trust_remote_code))
+        renderer = Renderer(tokenizer)  # raises if there is no chat template
+        ident = run_identity(cfg, info, layer_ids, chat_template_sha256(tokenizer), max_len)
     resuming = check_run_json(root, ident)
-
-    mine = _samples(cfg, renderer.tok, max_len, ident, rows)
+    if not from_launcher:
+        data = build_dataset(cfg.dataset, renderer.tok, max_len, rows)
+    mine = data.select(shard_mask(data.indices, int(cfg.shard.index), int(cfg.shard.count)))
     fmt = str(cfg.output.format)
     done = finished_indices(root, fmt)
     todo = mine.select(todo_mask(mine.indices, done))

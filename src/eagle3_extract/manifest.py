@@ -157,11 +157,15 @@ def dataset_identity(ds: Any, max_length: int) -> dict[str, Any]:
     }
 
 
-def run_identity(cfg: Any, info: Any, layer_ids: list[int], tokenizer: Any,
-                 max_length: int) -> dict[str, Any]:
+def chat_template_sha256(tokenizer: Any) -> str:
     template = getattr(tokenizer, "chat_template", None) or ""
     if not isinstance(template, str):
         template = json.dumps(template, sort_keys=True)
+    return hashlib.sha256(template.encode()).hexdigest()
+
+
+def run_identity(cfg: Any, info: Any, layer_ids: list[int], template_sha256: str,
+                 max_length: int) -> dict[str, Any]:
     ident = {
         "format_version": FORMAT_VERSION,
         "model": {
@@ -174,7 +178,7 @@ def run_identity(cfg: Any, info: Any, layer_ids: list[int], tokenizer: Any,
             "dtype": str(info.dtype).removeprefix("torch."),
             "quantization": cfg.model.quantization,
             "tokenizer": cfg.model.tokenizer,
-            "chat_template_sha256": hashlib.sha256(template.encode()).hexdigest(),
+            "chat_template_sha256": template_sha256,
         },
         "layer_ids": list(layer_ids),
         "dataset": dataset_identity(cfg.dataset, max_length),

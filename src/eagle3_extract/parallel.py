@@ -236,8 +236,8 @@ def launch(cfg: Any, overrides: list[str], log_root: Path) -> int:
     log.info("preflight ok: %d samples for this job (%d to do); %d replicas of shard %d/%d",
              len(plan.mine), len(plan.todo), n, int(cfg.shard.index), int(cfg.shard.count))
     log_root.mkdir(parents=True, exist_ok=True)
-    tokenized = log_root / "tokenized.npz"  # under logs/: never taken for data
-    plan.mine.save(tokenized, plan.ident["run_id"])
+    tokenized = log_root / "tokenized"  # under logs/: never taken for data
+    plan.mine.save(tokenized, {"ident": plan.ident})
     for r in replicas:
         r.env[TOKENIZED_ENV] = str(tokenized)
     del plan

@@ -38,26 +38,26 @@ def cache_root() -> Path:
 
 
 def _fingerprint(config_path: Path) -> str:
-    import transformers
+    from importlib.metadata import version
 
     h = hashlib.sha256()
     h.update(config_path.read_bytes())
     for f in sorted(TOKENIZER_DIR.iterdir()):
         h.update(f.name.encode() + f.read_bytes())
-    h.update(f"seed={SEED} transformers={transformers.__version__}".encode())
+    h.update(f"seed={SEED} transformers={version('transformers')}".encode())
     return h.hexdigest()[:16]
 
 
 def build_tiny_model(config: str | Path, root: Path | None = None) -> Path:
     """Return a directory holding config, weights and tokenizer; build it once."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     config_path = tiny_config_path(str(config))
     root = Path(root) if root else cache_root() / "tiny"
     out = root / f"{config_path.stem}-{_fingerprint(config_path)}"
     if (out / "model.safetensors").exists():
         return out
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
     root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=root))
     try:
