@@ -86,3 +86,17 @@ def test_files_are_really_written(smoke):
     assert hs.dtype == torch.bfloat16
     assert hs.shape == (tensors["input_ids"].numel(), len(r["layer_ids"]), 128)
     assert torch.isfinite(hs.float()).all() and hs.float().abs().sum() > 0
+
+
+def test_dp_preflight_harness_reports_both_runs(tmp_path):
+    """bench/dp_preflight.py end to end on a small dataset (no timing assertion)."""
+    proc = subprocess.run([sys.executable, str(ROOT / "bench/dp_preflight.py"), "--rows", "300",
+                           "--dp", "2", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    fig = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert fig["rows"] == 300 and fig["dp1_s"] > 0 and fig["dp2_s"] > 0
+    assert math.isclose(fig["ratio"], fig["dp2_s"] / fig["dp1_s"], rel_tol=0.01)
+    replicas = list((tmp_path / "dp2" / "logs").glob("*/replica-*/extract.log"))
+    assert len(replicas) == 2
+    assert all("launcher's tokenized set" in p.read_text() for p in replicas)
