@@ -34,15 +34,26 @@ ROLES = {
     "gpt": "assistant",
     "assistant": "assistant",
     "chatgpt": "assistant",
+    "tool": "tool",  # tool results (OpenAI), fed back to the model
+    "function": "tool",
+    "ipython": "tool",  # Llama 3.1's tool-result role
+    "observation": "tool",  # glaive / ShareGPT-style tool results
 }
+# Assistant-turn fields chat templates render besides `content`, kept as they are.
+# (`reasoning` and `thinking` are other datasets' names for `reasoning_content`.)
+REASONING_KEYS = ("reasoning_content", "reasoning", "thinking")
+TOOL_KEYS = ("tool_calls", "tool_call_id", "name")
+COMPRESSED = {".gz": "gzip", ".zst": "zstd"}
+BOM = b"\xef\xbb\xbf"
 
 # Every reason a row can be skipped for (the manifest lists each, zeros included).
 SKIP_REASONS = (
     "malformed_json",  # a .jsonl line that is not valid JSON
+    "invalid_utf8",  # bytes that are not UTF-8 (never replaced by U+FFFD and kept)
     "bad_row",  # not an object, or no `messages` / `conversations` list
     "empty_conversation",
     "unknown_role",
-    "bad_content",  # a turn whose content is not text
+    "bad_content",  # a turn whose content is not text (an image part, a number, ...)
     "no_assistant_turn",
     "template_error",  # the chat template raised on this conversation
     "mask_alignment",  # assistant spans could not be mapped to tokens exactly
@@ -61,13 +72,22 @@ class SkipRow(Exception):
 
 @dataclass(frozen=True)
 class Malformed:
-    """Stands in for an unparsable .jsonl line: it keeps its place in the order."""
+    """Stands in for an unparsable row: it keeps its place in the order, and its reason."""
 
     line: int
     error: str
+    reason: str = "malformed_json"
 
 
 # --- reading rows -------------------------------------------------------------------
+
+
+def split_compression(path: str) -> tuple[str, str | None]:
+    """("chats.jsonl", "zstd") for "chats.jsonl.zst"; (path, None) if not compressed."""
+    for ext, kind in COMPRESSED.items():
+        if path.endswith(ext):
+            return path[: -len(ext)], kind
+    return path, None
 
 
 def _resolve_format(ds: Any) -> str:
@@ -75,23 +95,53 @@ def _resolve_format(ds: Any) -> str:
     if fmt != "auto":
         return fmt
     path = str(ds.path)
+    name, _ = split_compression(path)
     for ext in ("jsonl", "json", "parquet"):
-        if path.endswith("." + ext):
+        if name.endswith("." + ext):
             return ext
     if Path(path).exists():
         raise PreflightError(
             f"dataset.path={path!r}: cannot tell the format from the name; set "
-            "dataset.format=jsonl|json|parquet"
+            "dataset.format=jsonl|json|parquet (.gz and .zst compression are read)"
         )
     return "hub"
 
 
+def _open_bytes(path: Path) -> Any:
+    """A binary stream of the file's content, decompressed (.gz, .zst) as its name says."""
+    _, kind = split_compression(str(path))
+    if kind == "gzip":
+        import gzip
+
+        return gzip.open(path, "rb")
+    if kind == "zstd":
+        import io
+
+        import zstandard
+
+        return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(open(path, "rb")))
+    return open(path, "rb")
+
+
+def _decode(raw: bytes, where: int) -> tuple[str | None, Malformed | None]:
+    try:
+        return raw.decode("utf-8"), None
+    except UnicodeDecodeError as e:
+        return None, Malformed(where, f"not UTF-8 at byte {e.start}", "invalid_utf8")
+
+
 def _read_jsonl(path: Path) -> list[Any]:
     rows: list[Any] = []
-    with open(path, encoding="utf-8", errors="replace") as f:
-        for lineno, line in enumerate(f, 1):
+    with _open_bytes(path) as f:
+        for lineno, raw in enumerate(f, 1):
+            if lineno == 1 and raw.startswith(BOM):
+                raw = raw[len(BOM):]
+            line, bad = _decode(raw, lineno)
+            if bad is not None:
+                rows.append(bad)
+                continue
             if not line.strip():
-                continue  # blank lines are not rows
+                continue  # blank lines (and a CRLF's "\r") are not rows
             try:
                 rows.append(json.loads(line))
             except json.JSONDecodeError as e:
@@ -99,10 +149,27 @@ def _read_jsonl(path: Path) -> list[Any]:
     return rows
 
 
+def _has_surrogate(obj: Any) -> bool:
+    if isinstance(obj, str):
+        return any("\udc80" <= c <= "\udcff" for c in obj)
+    if isinstance(obj, dict):
+        return any(_has_surrogate(k) or _has_surrogate(v) for k, v in obj.items())
+    if isinstance(obj, list):
+        return any(_has_surrogate(v) for v in obj)
+    return False
+
+
 def _read_json(path: Path) -> list[Any]:
+    with _open_bytes(path) as f:
+        raw = f.read()
+    if raw.startswith(BOM):
+        raw = raw[len(BOM):]
+    # Bytes that are not UTF-8 stay visible (as lone surrogates) so that only the rows
+    # holding them are skipped and counted, not the whole file.
+    text = raw.decode("utf-8", errors="surrogateescape")
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
         raise PreflightError(
             f"dataset.path={str(path)!r} is not valid JSON ({e}); a .json dataset is one "
             "JSON list of rows (use .jsonl for one row per line)"
@@ -112,7 +179,8 @@ def _read_json(path: Path) -> list[Any]:
         data = lists[0] if len(lists) == 1 else data
     if not isinstance(data, list):
         raise PreflightError(f"dataset.path={str(path)!r}: expected a JSON list of rows")
-    return data
+    return [Malformed(i, "not UTF-8", "invalid_utf8") if _has_surrogate(r) else r
+            for i, r in enumerate(data)]
 
 
 def _read_file(path: Path, fmt: str) -> list[Any]:
@@ -184,10 +252,16 @@ def _text(content: Any) -> str:
     raise SkipRow("bad_content", f"content of type {type(content).__name__}")
 
 
-def to_messages(row: Any) -> list[dict[str, str]]:
-    """Normalise one row to `[{"role", "content"}]` with roles system/user/assistant."""
+def to_messages(row: Any) -> list[dict[str, Any]]:
+    """Normalise one row to chat-template messages: roles system/user/assistant/tool.
+
+    Besides `content`, what a chat template renders is kept as it is: an assistant
+    turn's `reasoning_content` (also read from `reasoning` / `thinking`) and
+    `tool_calls`, a tool message's `tool_call_id` and `name`. Whether the template
+    renders them is counted per row (`Renderer.tokenize_with_notes`).
+    """
     if isinstance(row, Malformed):
-        raise SkipRow("malformed_json", f"line {row.line}: {row.error}")
+        raise SkipRow(row.reason, f"line {row.line}: {row.error}")
     if not isinstance(row, dict):
         raise SkipRow("bad_row", f"row is a {type(row).__name__}, not an object")
     if isinstance(row.get("messages"), list):
@@ -207,9 +281,18 @@ def to_messages(row: Any) -> list[dict[str, str]]:
         if role is None:
             raise SkipRow("unknown_role", repr(raw_role))
         content = turn.get(text_key, turn.get("content", turn.get("value")))
-        if content is None:
+        message: dict[str, Any] = {"role": role}
+        if role == "assistant":
+            reasoning = next((turn[k] for k in REASONING_KEYS if turn.get(k)), None)
+            if reasoning is not None:
+                message["reasoning_content"] = _text(reasoning)
+        for key in TOOL_KEYS:
+            if turn.get(key) is not None:
+                message[key] = turn[key]
+        if content is None and not message.get("tool_calls"):
             raise SkipRow("bad_content", "turn without content")
-        messages.append({"role": role, "content": _text(content)})
+        message["content"] = "" if content is None else _text(content)
+        messages.append(message)
     if not any(m["role"] == "assistant" for m in messages):
         raise SkipRow("no_assistant_turn")
     return messages
@@ -258,10 +341,7 @@ class Renderer:
         for i, m in enumerate(messages):
             if m["role"] != "assistant":
                 continue
-            pre = self.render(messages[:i], True)
-            if not full.startswith(pre):
-                raise SkipRow("mask_alignment", f"turn {i}: prefix render is not a prefix")
-            start = len(pre)
+            start = self._turn_start(messages, i, full)
             upto = self.render(messages[: i + 1], False)
             if full.startswith(upto):
                 end = len(upto.rstrip())
@@ -280,8 +360,49 @@ class Renderer:
             spans.append((start, end))
         return spans
 
-    def tokenize(self, messages: list[dict[str, str]]) -> tuple[list[int], list[int]]:
+    def _turn_start(self, messages: list[dict[str, Any]], i: int, full: str) -> int:
+        """Where assistant turn i's own text starts: after the conversation before it
+        rendered with the generation prompt. A conversation that opens with an assistant
+        turn has nothing before it, which many templates cannot render on its own: then
+        the turn starts where its content does."""
+        try:
+            pre = self.render(messages[:i], True)
+        except Exception:  # noqa: BLE001 - jinja on an empty list, ...
+            if i:
+                raise
+            pre = None
+        if pre is not None and full.startswith(pre):
+            return len(pre)
+        content = messages[i]["content"].strip()
+        pos = full.find(content) if i == 0 and content else -1
+        if pos < 0:
+            raise SkipRow("mask_alignment", f"turn {i}: prefix render is not a prefix")
+        return pos
+
+    def tokenize(self, messages: list[dict[str, Any]]) -> tuple[list[int], list[int]]:
         """Token ids of the rendered conversation and its assistant loss mask."""
+        ids, mask, _ = self.tokenize_with_notes(messages)
+        return ids, mask
+
+    @staticmethod
+    def not_rendered(messages: list[dict[str, Any]], full: str) -> list[str]:
+        """What the template left out of `full`: the row is used as the template renders
+        it, and these are counted (report "not_rendered")."""
+        notes = []
+        for m in messages:
+            reasoning = (m.get("reasoning_content") or "").strip()
+            if reasoning and reasoning not in full:
+                notes.append("reasoning_content")
+            for call in m.get("tool_calls") or []:
+                fn = call.get("function", call) if isinstance(call, dict) else {}
+                name = fn.get("name") if isinstance(fn, dict) else None
+                if not name or str(name) not in full:
+                    notes.append("tool_calls")
+                    break
+        return notes
+
+    def tokenize_with_notes(self, messages: list[dict[str, Any]]
+                            ) -> tuple[list[int], list[int], list[str]]:
         try:
             full = self.render(messages, False)
             spans = self.assistant_spans(messages, full)
@@ -289,6 +410,11 @@ class Renderer:
             raise
         except Exception as e:  # noqa: BLE001 - a template may raise anything (jinja, ...)
             raise SkipRow("template_error", f"{type(e).__name__}: {e}") from e
+        notes = self.not_rendered(messages, full)
+        ids, mask = self._ids_and_mask(full, spans)
+        return ids, mask, notes
+
+    def _ids_and_mask(self, full: str, spans: list[tuple[int, int]]) -> tuple[list[int], list[int]]:
         if self.fast:
             enc = self.tok(full, add_special_tokens=False, return_offsets_mapping=True)
             ids = list(enc["input_ids"])
@@ -401,13 +527,14 @@ def _tokenize_span(rows: list[Any], order: list[int], start: int, stop: int,
                    renderer: Renderer, max_length: int, overlong: str) -> dict[str, Any]:
     """Samples start..stop-1 of the order: arrays of the usable ones, counts of the rest."""
     skipped: Counter[str] = Counter()
+    not_rendered: Counter[str] = Counter()
     examples: list[dict[str, Any]] = []
     indices, lengths, truncated = [], [], []
     id_chunks, mask_chunks = [], []
     for index in range(start, stop):
         row_no = order[index]
         try:
-            ids, mask = renderer.tokenize(to_messages(rows[row_no]))
+            ids, mask, notes = renderer.tokenize_with_notes(to_messages(rows[row_no]))
             cut = len(ids) > max_length
             if cut:
                 if overlong == "skip":
@@ -421,6 +548,7 @@ def _tokenize_span(rows: list[Any], order: list[int], start: int, stop: int,
                 examples.append({"index": index, "row": row_no, "reason": e.reason,
                                  "detail": e.detail[:200]})
             continue
+        not_rendered.update(set(notes))
         indices.append(index)
         lengths.append(len(ids))
         truncated.append(cut)
@@ -433,6 +561,7 @@ def _tokenize_span(rows: list[Any], order: list[int], start: int, stop: int,
         "ids": np.concatenate(id_chunks) if id_chunks else np.zeros(0, dtype=np.int64),
         "mask": np.concatenate(mask_chunks) if mask_chunks else np.zeros(0, dtype=np.uint8),
         "skipped": skipped,
+        "not_rendered": not_rendered,
         "examples": examples,
     }
 
@@ -478,9 +607,11 @@ def tokenize_rows(
         finally:
             _FORKED = None
     skipped: Counter[str] = Counter({r: 0 for r in SKIP_REASONS})
+    not_rendered: Counter[str] = Counter({"reasoning_content": 0, "tool_calls": 0})
     examples: list[dict[str, Any]] = []
     for p in parts:
         skipped.update(p["skipped"])
+        not_rendered.update(p["not_rendered"])
         examples += p["examples"][: max(0, 20 - len(examples))]
     lengths = np.concatenate([p["lengths"] for p in parts])
     offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
@@ -495,6 +626,8 @@ def tokenize_rows(
         "skipped": dict(skipped),
         "skipped_total": sum(skipped.values()),
         "skipped_examples": examples,
+        # used rows whose reasoning or tool calls the chat template does not render
+        "not_rendered": dict(not_rendered),
         "truncated": int(truncated.sum()),
         "tokens": int(offsets[-1]),
         "loss_tokens": int(mask_flat.sum()),
