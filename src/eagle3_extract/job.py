@@ -26,7 +26,16 @@ from . import token_freq
 from .batching import iter_batches, plan_batches, shard_mask, todo_mask
 from .config import ConfigError, PreflightError, max_length, validate
 from .data import Renderer, Tokenized, build_dataset, load_tokenizer, read_nonempty
-from .layout import clean_stale_temps, file_bytes, finished_indices, layout_pattern, manifest_name
+from .lock import ShardLock
+from .layout import (
+    clean_stale_temps,
+    file_bytes,
+    finished_indices,
+    layout_pattern,
+    manifest_name,
+    sample_path,
+    verified_files,
+)
 from .manifest import (
     Manifest,
     chat_template_sha256,
@@ -62,7 +71,14 @@ class Plan:
     todo: Tokenized  # of those, the ones without a final file
     resumed: int  # finished files found at start (this shard)
     stale_temps: int
+    damaged: dict[int, str]  # final files of this shard that were not whole: removed, redone
     preflight_s: float
+    lock: ShardLock | None = None  # this job's shard of root, until close()
+
+    def close(self) -> None:
+        if self.lock is not None:
+            self.lock.release()
+            self.lock = None
 
     @property
     def shard(self) -> tuple[int, int]:
@@ -167,34 +183,50 @@ def preflight(cfg: Any) -> Plan:
         renderer = Renderer(tokenizer)  # raises if there is no chat template
         ident = run_identity(cfg, info, layer_ids, chat_template_sha256(tokenizer), max_len)
     resuming = check_run_json(root, ident)
-    if not from_launcher:
-        data = build_dataset(cfg.dataset, renderer.tok, max_len, rows)
-    mine = data.select(shard_mask(data.indices, int(cfg.shard.index), int(cfg.shard.count)))
-    fmt = str(cfg.output.format)
-    done = finished_indices(root, fmt)
-    todo = mine.select(todo_mask(mine.indices, done))
+    index, count = int(cfg.shard.index), int(cfg.shard.count)
+    lock = ShardLock.acquire(root, (index, count))  # before anything in root is touched
+    try:
+        if not from_launcher:
+            data = build_dataset(cfg.dataset, renderer.tok, max_len, rows)
+        mine = data.select(shard_mask(data.indices, index, count))
+        fmt = str(cfg.output.format)
+        whole, broken = verified_files(root, fmt)  # names are not trusted: headers are read
+        damaged = {i: why for i, why in broken.items() if i % count == index}
+        todo = mine.select(todo_mask(mine.indices, whole))
+        _check_disk(root, info, layer_ids, todo)
+        if not resuming:  # shards starting together need not all rewrite it
+            write_run_json(root, ident)
+        for i in damaged:  # redone by this run
+            sample_path(root, i, int(cfg.output.files_per_dir), fmt).unlink(missing_ok=True)
+        stale = clean_stale_temps(root, owned=lambda i: i % count == index)
+        clean_json_temps(root, [manifest_name(index, count),
+                                manifest_name(index, count, "token_freq")])
+    except BaseException:
+        lock.release()
+        raise
+    return Plan(
+        cfg=cfg, resolved=resolved, root=root, info=info, layer_ids=layer_ids, ident=ident,
+        mine=mine, todo=todo, resumed=len(mine) - len(todo), stale_temps=stale,
+        damaged=damaged, preflight_s=time.perf_counter() - t0, lock=lock,
+    )
 
-    itemsize = info.dtype.itemsize
-    per_token = len(layer_ids) * info.hidden_size * itemsize + 9  # + int64 id + uint8 mask
-    need = int(todo.lengths.sum()) * per_token + len(todo) * 4096
+
+def bytes_needed(info: Any, layer_ids: list[int], tokens: int, samples: int) -> int:
+    """Disk for `samples` files of `tokens` tokens in all (states + ids + mask + headers)."""
+    per_token = len(layer_ids) * info.hidden_size * info.dtype.itemsize + 9
+    return tokens * per_token + samples * 4096
+
+
+def _check_disk(root: Path, info: Any, layer_ids: list[int], todo: Tokenized) -> None:
+    need = bytes_needed(info, layer_ids, int(todo.lengths.sum()), len(todo))
     free = shutil.disk_usage(root).free
     if need > free:
         raise PreflightError(
             f"output.dir={str(root)!r}: {len(todo)} samples need about {need / 1e9:.2f} GB "
             f"({int(todo.lengths.sum())} tokens x {len(layer_ids)} layers x hidden "
-            f"{info.hidden_size} x {itemsize} bytes), only {free / 1e9:.2f} GB free; free "
-            "space, set output.dir elsewhere, or lower dataset.max_samples"
+            f"{info.hidden_size} x {info.dtype.itemsize} bytes), only {free / 1e9:.2f} GB "
+            "free; free space, set output.dir elsewhere, or lower dataset.max_samples"
         )
-    if not resuming:  # shards starting together need not all rewrite it
-        write_run_json(root, ident)
-    index, count = int(cfg.shard.index), int(cfg.shard.count)
-    stale = clean_stale_temps(root, owned=lambda i: i % count == index)
-    clean_json_temps(root, [manifest_name(index, count), manifest_name(index, count, "token_freq")])
-    return Plan(
-        cfg=cfg, resolved=resolved, root=root, info=info, layer_ids=layer_ids, ident=ident,
-        mine=mine, todo=todo, resumed=len(mine) - len(todo), stale_temps=stale,
-        preflight_s=time.perf_counter() - t0,
-    )
 
 
 @dataclass
@@ -261,7 +293,14 @@ def run(cfg: Any) -> dict[str, Any]:
             "eagle3-extract command (or eagle3_extract.parallel.launch), not job.run()"
         )
     plan = preflight(cfg)
-    root, mine, todo = plan.root, plan.mine, plan.todo
+    try:
+        return _run(plan, t_start)
+    finally:
+        plan.close()
+
+
+def _run(plan: Plan, t_start: float) -> dict[str, Any]:
+    cfg, root, mine, todo = plan.cfg, plan.root, plan.mine, plan.todo
     fmt, per_dir = str(cfg.output.format), int(cfg.output.files_per_dir)
     manifest = new_manifest(plan.resolved, plan.ident, plan.info, plan.layer_ids,
                             layout_pattern(fmt, per_dir), plan.shard)
@@ -275,6 +314,10 @@ def run(cfg: Any) -> dict[str, Any]:
     )
     if plan.stale_temps:
         log.info("removed %d stale temp files from an interrupted run", plan.stale_temps)
+    if plan.damaged:
+        first = next(iter(plan.damaged.items()))
+        log.warning("%d sample files were not whole and will be redone (e.g. index %d: %s)",
+                    len(plan.damaged), *first)
     if bool(cfg.dry_run):
         log.info("dry_run: preflight only, nothing extracted")
         return {"status": "dry_run", "preflight_s": plan.preflight_s, "samples": len(mine),
@@ -349,6 +392,7 @@ def run(cfg: Any) -> dict[str, Any]:
         "written": len(mine),
         "written_this_run": written,
         "resumed": plan.resumed,
+        "redone_damaged": len(plan.damaged),
         "skipped": mine.report["skipped"],
         "skipped_total": mine.report["skipped_total"],
         "truncated": int(mine.truncated.sum()),

@@ -16,8 +16,11 @@ name ends in "pt" for a sample).
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import struct
+import zipfile
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
@@ -77,9 +80,54 @@ def sample_files(root: Path, fmt: str) -> dict[int, os.DirEntry]:
     return files
 
 
+def file_problem(path: str | Path, fmt: str, size: int | None = None) -> str | None:
+    """Why a final sample file is not whole, or None. Cheap: the header, not the data.
+
+    safetensors: the 8-byte header length, the JSON header, and the file size, which
+    must be exactly header + the end of the last tensor. speculators_pt (a torch zip):
+    the zip's central directory, which sits at the end, and every member inside the
+    file. A file cut short, or overwritten by something else, fails either.
+    """
+    try:
+        size = os.path.getsize(path) if size is None else size
+        if fmt == "safetensors":
+            with open(path, "rb") as f:
+                head = f.read(8)
+                if len(head) < 8:
+                    return f"{size} bytes: no safetensors header"
+                (n,) = struct.unpack("<Q", head)
+                if n > size - 8:
+                    return f"header of {n} bytes in a file of {size}"
+                header = json.loads(f.read(n))
+            end = max((t["data_offsets"][1] for k, t in header.items()
+                       if k != "__metadata__"), default=0)
+            if size != 8 + n + end:
+                return f"{size} bytes, the header says {8 + n + end}"
+            return None
+        with zipfile.ZipFile(path) as z:
+            for info in z.infolist():
+                if info.header_offset + info.compress_size > size:
+                    return f"member {info.filename} runs past the end of the file"
+        return None
+    except (OSError, ValueError, KeyError, TypeError, zipfile.BadZipFile) as e:
+        return f"unreadable ({type(e).__name__}: {e})"
+
+
+def verified_files(root: Path, fmt: str) -> tuple[dict[int, os.DirEntry], dict[int, str]]:
+    """(whole files by index, {index: problem} of the final files that are not whole)."""
+    good, bad = {}, {}
+    for i, e in sample_files(root, fmt).items():
+        problem = file_problem(e.path, fmt, e.stat().st_size)
+        if problem is None:
+            good[i] = e
+        else:
+            bad[i] = problem
+    return good, bad
+
+
 def finished_indices(root: Path, fmt: str) -> set[int]:
-    """Indices whose final file exists (written completely, by construction)."""
-    return set(sample_files(root, fmt))
+    """Indices whose final file exists and is whole (`file_problem`)."""
+    return set(verified_files(root, fmt)[0])
 
 
 def clean_stale_temps(root: Path, owned: Callable[[int], bool] = lambda i: True) -> int:

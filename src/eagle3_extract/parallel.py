@@ -240,7 +240,15 @@ def launch(cfg: Any, overrides: list[str], log_root: Path) -> int:
     plan.mine.save(tokenized, {"ident": plan.ident})
     for r in replicas:
         r.env[TOKENIZED_ENV] = str(tokenized)
-    del plan
+    try:
+        return _run_replicas(cfg, overrides, replicas, root, t0)
+    finally:
+        plan.close()  # the job's shard lock: the replicas' locks nest inside it
+
+
+def _run_replicas(cfg: Any, overrides: list[str], replicas: list[Replica], root: Path,
+                  t0: float) -> int:
+    n = len(replicas)
     stopper = _Stopper(replicas)
     try:
         for r in replicas:

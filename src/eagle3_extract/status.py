@@ -27,7 +27,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from .layout import MANIFEST_RE, RUN_JSON, sample_files
+from .layout import MANIFEST_RE, RUN_JSON, verified_files
 from .manifest import Manifest
 
 STALE_AFTER_S = 3600.0
@@ -131,7 +131,8 @@ def _shard(m: Manifest | None, index: int, count: int, mine: list[os.DirEntry],
         s.tokens = s.tokens_total = m.tokens["total"]
         s.bytes = m.bytes["data"]
         if s.done < s.samples:
-            s.state, s.reason = "failed", f"{s.samples - s.done} files gone since completion"
+            s.state, s.reason = "failed", (f"{s.samples - s.done} files gone or damaged "
+                                           "since completion")
             s.bytes = disk_bytes()
         return s
     s.bytes = disk_bytes()
@@ -168,7 +169,7 @@ def collect(root: str | Path, stale_after: float = STALE_AFTER_S) -> dict[str, A
                 manifests.setdefault(n, {})[i] = Manifest.read(Path(entry.path))
             except (OSError, ValueError):
                 continue  # replaced while we read it: atomic writes make this rare
-    files = sample_files(root, fmt)
+    files, damaged = verified_files(root, fmt)  # a file cut short does not count as done
     usable = tokens_total = None
     for shards in manifests.values():
         for m in shards.values():
@@ -206,6 +207,7 @@ def collect(root: str | Path, stale_after: float = STALE_AFTER_S) -> dict[str, A
             **{k: states.count(k) for k in ("complete", "running", "failed", "missing")},
             "samples": usable,
             "done": done,
+            "damaged": len(damaged),
             "tokens": sum(s["tokens"] or 0 for s in shards),
             "tokens_total": tokens_total,
             "bytes": sum(s["bytes"] for s in shards),
@@ -233,6 +235,9 @@ def format_report(r: dict[str, Any]) -> str:
         f"{t['failed']} failed, {t['missing']} missing; samples {_frac(t['done'], t['samples'])}"
         f", tokens {_frac(t['tokens'], t['tokens_total'])}, {_gb(t['bytes'])}",
     ]
+    if t.get("damaged"):
+        lines.append(f"  {t['damaged']} sample files are not whole (cut short or overwritten): "
+                     "rerun the job to redo them")
     if not r["partitions"]:
         lines.append("  no shard manifest yet")
     for p in r["partitions"]:

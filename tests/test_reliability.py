@@ -1,0 +1,117 @@
+"""Trust nothing, lose nothing: verified resume, one writer per shard, faults end cleanly."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from test_job import COMMON, compose_cfg, data_files, run_cli
+
+from eagle3_extract.config import PreflightError
+from eagle3_extract.layout import file_problem
+
+BIN = Path(sys.executable).parent
+HF = ["engine=hf", *COMMON]
+
+
+@pytest.fixture
+def offline(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.delenv("EAGLE3_OUTPUT_ROOT", raising=False)
+
+
+@pytest.fixture(scope="module")
+def done_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("rel") / "out"
+    r = run_cli(*HF, f"output.dir={out}")
+    assert r.returncode == 0, r.stderr[-3000:]
+    return out
+
+
+def status(root: Path) -> tuple[int, dict]:
+    r = subprocess.run([str(BIN / "eagle3-status"), str(root), "--json"], capture_output=True,
+                       text=True, timeout=120)
+    return r.returncode, json.loads(r.stdout)
+
+
+def test_file_problem_sees_a_cut_or_foreign_file(done_run, tmp_path):
+    f = sorted(data_files(done_run).values())[0]
+    assert file_problem(f, "safetensors") is None
+    cut = tmp_path / "cut.safetensors"
+    cut.write_bytes(f.read_bytes()[:-100])
+    assert "header says" in file_problem(cut, "safetensors")
+    cut.write_bytes(f.read_bytes()[:5])
+    assert "no safetensors header" in file_problem(cut, "safetensors")
+    cut.write_bytes(b"not a sample at all, but long enough to have a header")
+    assert file_problem(cut, "safetensors")
+
+
+def test_a_truncated_file_is_redone_and_status_agrees(done_run, tmp_path, offline):
+    from eagle3_extract.job import run
+
+    out = tmp_path / "out"
+    shutil.copytree(done_run, out)
+    victim = sorted(data_files(out).items())[3]
+    original = victim[1].read_bytes()
+    victim[1].write_bytes(original[: len(original) // 2])  # a disk that lost the tail
+    rc, rep = status(out)
+    assert rc == 1 and not rep["complete"] and rep["totals"]["damaged"] == 1
+    m = run(compose_cfg(*HF, f"output.dir={out}"))
+    assert m["counts"]["redone_damaged"] == 1 and m["counts"]["written_this_run"] == 1
+    assert victim[1].read_bytes() == original  # the same sample, whole again
+    rc, rep = status(out)
+    assert rc == 0 and rep["complete"] and rep["totals"]["damaged"] == 0
+
+
+HOLDER = """
+import sys, time
+from pathlib import Path
+from eagle3_extract.lock import ShardLock
+ShardLock.acquire(Path(sys.argv[1]), (int(sys.argv[2]), int(sys.argv[3])))
+print("locked", flush=True)
+time.sleep(300)
+"""
+
+
+def hold(root: Path, index: int, count: int) -> subprocess.Popen:
+    p = subprocess.Popen([sys.executable, "-c", HOLDER, str(root), str(index), str(count)],
+                         stdout=subprocess.PIPE, text=True)
+    assert p.stdout.readline().strip() == "locked"
+    return p
+
+
+def test_overlaps():
+    from eagle3_extract.lock import overlaps
+
+    assert overlaps((0, 1), (3, 4)) and overlaps((0, 2), (2, 4)) and overlaps((1, 2), (3, 4))
+    assert not overlaps((0, 2), (1, 2)) and not overlaps((0, 2), (1, 4))
+    assert overlaps((1, 3), (2, 4))  # index 5 is in both
+
+
+def test_a_second_job_on_a_live_shard_is_refused_and_touches_nothing(tmp_path):
+    out = tmp_path / "out"
+    holder = hold(out, 0, 2)
+    try:
+        temp = out / "data" / "00000" / f".000000000.safetensors.tmp-{holder.pid}"
+        temp.parent.mkdir(parents=True)
+        temp.write_bytes(b"a live job's write in progress")
+        for shard in (["shard.count=4", "shard.index=2"], []):  # both overlap shard 0/2
+            r = run_cli(*HF, f"output.dir={out}", *shard)
+            assert r.returncode == 2, r.stderr[-2000:]
+            line = r.stderr.strip().splitlines()[-1]
+            assert f"being written by pid {holder.pid}" in line and "overlaps shard" in line
+        assert temp.exists()  # its start-up cleanup never ran
+        r = run_cli(*HF, f"output.dir={out}", "shard.count=2", "shard.index=1")  # disjoint
+        assert r.returncode == 0, r.stderr[-2000:]
+    finally:
+        holder.kill()
+        holder.wait()
+    # a SIGKILLed holder's lock is stale: taken over, and its temp is cleaned up
+    r = run_cli(*HF, f"output.dir={out}", "shard.count=2", "shard.index=0")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert not temp.exists() and not list((out / ".locks").glob("shard-*.lock"))
