@@ -355,6 +355,8 @@ def test_vllm_sigkill_then_resume_gives_the_uninterrupted_result(vllm_multirun, 
             time.sleep(0.02)
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
+    # the shared host buffer went with the processes that mapped it
+    assert not list(Path("/dev/shm").glob(f"eagle3-hs-{proc.pid}-*"))
     killed_with = sorted(data_files(out))
     assert 3 <= len(killed_with) < N, killed_with
     m = json.loads((out / "manifest.json").read_text())
@@ -373,12 +375,49 @@ def test_vllm_sigkill_then_resume_gives_the_uninterrupted_result(vllm_multirun, 
     got = data_files(out)
     assert sorted(got) == sorted(ref) == list(range(N))
     assert [p.name for p in out.rglob(".*") if p.parent.name != "logs"
-            and not p.name == ".hydra"] == []
+            and p.name not in (".hydra", ".locks")] == []
+    assert not list((out / ".locks").glob("shard-*"))  # the lock went with the job
     for i in range(N):
         a, ma = load_st(got[i])
         b, mb = load_st(ref[i])
         assert ma == mb
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_vllm_sigterm_finishes_writes_says_interrupted_and_resumes(vllm_multirun, tmp_path):
+    """SIGTERM, what a cluster sends, ends the job as Ctrl-C does."""
+    ref = data_files(vllm_multirun[0] / "tiny" / "sample" / "eagle3")
+    out = tmp_path / "termed"
+    args = [str(BIN), *VLLM, f"output.dir={out}", *COMMON]
+    with open(tmp_path / "first.log", "w") as log:
+        proc = subprocess.Popen(args, env=env(), stdout=log, stderr=subprocess.PIPE,
+                                text=True, start_new_session=True)
+        deadline = time.time() + 500
+        while len(data_files(out)) < 2:
+            assert proc.poll() is None, "run ended before the signal"
+            assert time.time() < deadline, "no files appeared"
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGTERM)  # the job's own process only
+        _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
+    last = err.strip().splitlines()[-1]
+    assert "interrupted by SIGTERM" in last and "rerun the same command to resume" in last
+    assert "Traceback" not in err
+    m = json.loads((out / "manifest.json").read_text())
+    assert m["status"] == "interrupted"
+    assert not list(Path("/dev/shm").glob(f"eagle3-hs-{proc.pid}-*"))
+    assert not list((out / ".locks").glob("shard-*")) and not list(out.glob(".reserve-*"))
+    first = sorted(data_files(out))
+    assert all(not p.name.startswith(".") for p in (out / "data").rglob("*") if p.is_file())
+    r = run_cli(*VLLM, f"output.dir={out}", *COMMON)
+    assert r.returncode == 0, r.stderr[-3000:]
+    m = json.loads((out / "manifest.json").read_text())
+    assert m["status"] == "complete" and m["counts"]["resumed"] == len(first)
+    assert m["produced_by"] == {"vllm": N}
+    got = data_files(out)
+    assert sorted(got) == sorted(ref)
+    assert all(load_st(got[i])[0]["hidden_states"].equal(load_st(ref[i])[0]["hidden_states"])
+               for i in range(N))
 
 
 def test_stale_json_temps_are_removed_for_own_files_only(tmp_path):

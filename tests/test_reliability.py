@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -12,7 +11,6 @@ from pathlib import Path
 import pytest
 from test_job import COMMON, compose_cfg, data_files, run_cli
 
-from eagle3_extract.config import PreflightError
 from eagle3_extract.layout import file_problem
 
 BIN = Path(sys.executable).parent
@@ -115,3 +113,47 @@ def test_a_second_job_on_a_live_shard_is_refused_and_touches_nothing(tmp_path):
     r = run_cli(*HF, f"output.dir={out}", "shard.count=2", "shard.index=0")
     assert r.returncode == 0, r.stderr[-2000:]
     assert not temp.exists() and not list((out / ".locks").glob("shard-*.lock"))
+
+
+def test_a_full_disk_ends_in_one_line_and_a_failed_manifest(tmp_path, offline, monkeypatch):
+    from eagle3_extract import job
+    from eagle3_extract.errors import JobError
+
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mnt)],
+                       capture_output=True)
+    if r.returncode != 0:
+        pytest.skip("cannot mount a small tmpfs here (needs root)")
+    real = shutil.disk_usage
+    try:
+        # Past preflight's free-space check (which would refuse this dir), to a disk that
+        # really fills up while the job writes (~3 MB of states into 2 MB).
+        monkeypatch.setattr(job.shutil, "disk_usage",
+                            lambda p: real(p)._replace(free=1 << 40))
+        out = mnt / "out"
+        with pytest.raises(JobError) as err:
+            job.run(compose_cfg(*HF, f"output.dir={out}"))
+        msg = str(err.value)
+        assert "\n" not in msg and f"output.dir={str(out)!r}" in msg
+        assert "disk is full" in msg and "GB still needed" in msg
+        m = json.loads((out / "manifest.json").read_text())
+        assert m["status"] == "failed"
+        assert not list(out.glob(".reserve-*"))
+        written = data_files(out)
+        assert all(file_problem(p, "safetensors") is None for p in written.values())
+    finally:
+        monkeypatch.undo()
+        subprocess.run(["umount", str(mnt)], check=False)
+
+
+def test_the_manifest_credits_the_engine_that_wrote_the_files(done_run, tmp_path, offline):
+    from eagle3_extract.job import run
+
+    out = tmp_path / "out"
+    shutil.copytree(done_run, out)
+    first = json.loads((out / "manifest.json").read_text())
+    assert first["produced_by"] == {"hf": 12}
+    again = run(compose_cfg("engine=vllm", *COMMON, f"output.dir={out}"))  # nothing to do
+    assert again["counts"]["written_this_run"] == 0
+    assert again["produced_by"] == {"hf": 12} and again["engine"]["name"] == "hf"

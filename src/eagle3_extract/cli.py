@@ -7,11 +7,13 @@ launcher (parallel.py), which runs this same command once per replica.
 from __future__ import annotations
 
 import logging
+import signal
 import sys
 
 from omegaconf import DictConfig
 
-from .config import PreflightError, conf_dir
+from .config import conf_dir
+from .errors import Interrupted, JobError, PreflightError
 
 log = logging.getLogger("eagle3_extract")
 
@@ -31,6 +33,15 @@ def _task(cfg: DictConfig) -> None:
         log.error("preflight: %s", e)
         print(f"eagle3-extract: error: {e}", file=sys.stderr, flush=True)
         sys.exit(2)
+    except (KeyboardInterrupt, Interrupted) as e:  # before the job's own handling began
+        signum = getattr(e, "signum", signal.SIGINT)
+        print(f"eagle3-extract: interrupted by {signal.Signals(signum).name} before "
+              "extraction started", file=sys.stderr, flush=True)
+        sys.exit(128 + signum)
+    except JobError as e:
+        log.error("%s", e)
+        print(f"eagle3-extract: {e}", file=sys.stderr, flush=True)
+        sys.exit(e.exit_code)
 
 
 def extract_main() -> None:

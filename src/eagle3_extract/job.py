@@ -9,10 +9,13 @@ A preflight failure is a PreflightError whose message names the key to change
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import re
 import shutil
+import signal
+import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -25,6 +28,7 @@ from omegaconf.errors import OmegaConfBaseException
 from . import token_freq
 from .batching import iter_batches, plan_batches, shard_mask, todo_mask
 from .config import ConfigError, PreflightError, max_length, validate
+from .errors import Interrupted, JobError, raise_interrupted
 from .data import Renderer, Tokenized, build_dataset, load_tokenizer, read_nonempty
 from .lock import ShardLock
 from .layout import (
@@ -292,11 +296,19 @@ def run(cfg: Any) -> dict[str, Any]:
             "parallel.data_parallel_size > 1 runs one process per replica: use the "
             "eagle3-extract command (or eagle3_extract.parallel.launch), not job.run()"
         )
-    plan = preflight(cfg)
+    # SIGTERM (what a cluster sends) stops the job as Ctrl-C does: in-flight writes
+    # finish, the manifest says "interrupted", the rerun resumes.
+    main = threading.current_thread() is threading.main_thread()
+    old = signal.signal(signal.SIGTERM, raise_interrupted) if main else None
     try:
-        return _run(plan, t_start)
+        plan = preflight(cfg)
+        try:
+            return _run(plan, t_start)
+        finally:
+            plan.close()
     finally:
-        plan.close()
+        if main:
+            signal.signal(signal.SIGTERM, old)
 
 
 def _run(plan: Plan, t_start: float) -> dict[str, Any]:
@@ -306,6 +318,10 @@ def _run(plan: Plan, t_start: float) -> dict[str, Any]:
                             layout_pattern(fmt, per_dir), plan.shard)
     manifest.process = process_identity()  # lets eagle3-status tell a killed job
     manifest.data = mine.report
+    before = _previous_manifest(plan)
+    produced = dict(before.produced_by or {}) if before else {}
+    if before and before.engine:
+        manifest.engine = before.engine  # replaced only if this run starts an engine
     log.info(
         "preflight ok in %.1fs: %d samples for this shard (%d tokens), %d already done, "
         "%d to do; layers %s; output %s",
@@ -328,6 +344,7 @@ def _run(plan: Plan, t_start: float) -> dict[str, Any]:
     tokens_before = tokens_mine - int(todo.lengths.sum())
     engine = writer = progress = None
     status = "failed"
+    engine_name = str(cfg.engine.name)
 
     def snapshot(state: str) -> None:
         done_now = writer.written if writer else 0
@@ -338,6 +355,9 @@ def _run(plan: Plan, t_start: float) -> dict[str, Any]:
                              "tokens": tokens_mine,
                              "tokens_done": tokens_before + (writer.tokens if writer else 0)}
         manifest.timings = timings
+        manifest.produced_by = {**produced, engine_name: produced.get(engine_name, 0) + done_now}
+        if not manifest.produced_by[engine_name]:
+            del manifest.produced_by[engine_name]
         manifest.write(root)
 
     last = time.monotonic()
@@ -349,6 +369,7 @@ def _run(plan: Plan, t_start: float) -> dict[str, Any]:
             snapshot("running")
 
     snapshot("running")
+    reserve = _Reserve(root / f".reserve-{manifest_name(*plan.shard)}")
     try:
         if len(todo):
             from .engine import build_engine
@@ -366,13 +387,33 @@ def _run(plan: Plan, t_start: float) -> dict[str, Any]:
             timings["extract_s"] = round(time.perf_counter() - t, 3)
             timings["engine_s"] = round(loop.engine_s, 3)
         status = "complete"
+    except (KeyboardInterrupt, Interrupted) as e:
+        status = "interrupted"
+        signum = getattr(e, "signum", signal.SIGINT)
+        raise JobError(f"interrupted by {signal.Signals(signum).name} after "
+                       f"{writer.written if writer else 0} samples written this run; rerun "
+                       "the same command to resume", exit_code=128 + signum) from e
+    except BaseException as e:
+        if _disk_full(e):
+            reserve.free()  # room for the manifest that says so
+            left = len(todo) - (writer.written if writer else 0)
+            tokens_left = int(todo.lengths.sum()) - (writer.tokens if writer else 0)
+            need = bytes_needed(plan.info, plan.layer_ids, tokens_left, left)
+            raise JobError(f"output.dir={str(root)!r}: the disk is full with {left} samples "
+                           f"to go, about {need / 1e9:.2f} GB still needed; free space and "
+                           "rerun the same command to resume") from e
+        raise
     finally:
         if progress is not None:
             progress.close()
         if engine is not None:
             engine.close()
+        reserve.free()
         if status != "complete":
-            snapshot("failed")
+            try:
+                snapshot(status)
+            except OSError as e:  # the original error says more
+                log.error("manifest: %s", e)
 
     done = finished_indices(root, fmt)
     missing = [int(i) for i in mine.indices if int(i) not in done]
@@ -408,6 +449,45 @@ def _run(plan: Plan, t_start: float) -> dict[str, Any]:
     snapshot("complete")
     _summary(manifest, root)
     return manifest.to_dict()
+
+
+def _previous_manifest(plan: Plan) -> Manifest | None:
+    """This shard's manifest from an earlier run of the same identity, if any."""
+    try:
+        m = Manifest.read(plan.root / manifest_name(*plan.shard))
+    except (OSError, ValueError):
+        return None
+    if m.run_id != plan.ident["run_id"]:
+        return None
+    if m.produced_by is None and m.engine and m.counts:  # written before produced_by
+        m.produced_by = {m.engine["name"]: int(m.counts.get("written", 0))}
+    return m
+
+
+def _disk_full(e: BaseException | None) -> bool:
+    while e is not None:
+        if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
+class _Reserve:
+    """A little disk held back, so that a job that fills the disk can still say so in its
+    manifest (freed on failure and at the end)."""
+
+    SIZE = 1 << 20
+
+    def __init__(self, path: Path):
+        self.path = path
+        try:
+            with open(path, "wb") as f:
+                f.write(b"\0" * self.SIZE)
+        except OSError:
+            self.path.unlink(missing_ok=True)
+
+    def free(self) -> None:
+        self.path.unlink(missing_ok=True)
 
 
 def _summary(m: Manifest, root: Path) -> None:

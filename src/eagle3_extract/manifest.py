@@ -66,6 +66,7 @@ class Manifest:
     tokens: dict[str, Any] | None = None
     bytes: dict[str, Any] | None = None
     token_freq: str | None = None
+    produced_by: dict[str, int] | None = None  # engine name -> sample files it wrote
     versions: dict[str, Any] | None = None
     patches: dict[str, Any] | None = None
 

@@ -8,8 +8,10 @@ writes one call's rows into a slot with one device-to-host copy, page-locked
 with cudaHostRegister on CUDA. The driver hands a slot to the writer and
 reuses it once the writer releases it, so writing overlaps the next prefill.
 
-The file is unlinked by `close()`, and a killed driver's file is named by its
-pid so the next job can remove it (`remove_orphans`).
+The file is unlinked as soon as every worker has mapped it (`unlink`): the
+memory lives exactly as long as the processes that map it, so no kill, SIGKILL
+included, can leave it behind. Until then its name carries the driver's pid,
+and the next job removes one whose driver is gone (`remove_orphans`).
 """
 
 from __future__ import annotations
@@ -104,10 +106,13 @@ class HostBuffer:
             self._free.append(slot)
             self._cv.notify()
 
-    def close(self) -> None:
+    def unlink(self) -> None:
+        """Remove the name; the mappings (driver's and workers') stay valid."""
         path = self.__dict__.pop("path", None)
         if path:
             Path(path).unlink(missing_ok=True)
+
+    close = unlink
 
 
 def attach(path: str, shape: tuple[int, ...], dtype: torch.dtype, driver_host: str,

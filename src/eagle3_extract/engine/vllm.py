@@ -203,8 +203,11 @@ class VllmEngine:
         self.host = hostbuf.HostBuffer(slots, rows, len(self.layer_ids),
                                        self.vllm_config.model_config.get_hidden_size(),
                                        self.vllm_config.model_config.dtype)
-        replies = self.executor.collective_rpc(
-            "capture_attach_host", args=(self.host.path, self.host.shape, self.host.host))
+        try:
+            replies = self.executor.collective_rpc(
+                "capture_attach_host", args=(self.host.path, self.host.shape, self.host.host))
+        finally:
+            self.host.unlink()  # every process maps it now: nothing can outlive the job
         self.pinned = all(r["pinned"] for r in replies if r)
 
     def _setup_scheduler(self) -> None:
