@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -11,6 +12,7 @@ from pathlib import Path
 import pytest
 from test_job import COMMON, compose_cfg, data_files, run_cli
 
+from eagle3_extract.errors import PreflightError
 from eagle3_extract.layout import file_problem
 
 BIN = Path(sys.executable).parent
@@ -157,3 +159,74 @@ def test_the_manifest_credits_the_engine_that_wrote_the_files(done_run, tmp_path
     again = run(compose_cfg("engine=vllm", *COMMON, f"output.dir={out}"))  # nothing to do
     assert again["counts"]["written_this_run"] == 0
     assert again["produced_by"] == {"hf": 12} and again["engine"]["name"] == "hf"
+
+
+@pytest.mark.parametrize("override,match", [
+    ("+dataset.pth=/x", "+dataset.pth: dataset has no key 'pth'; did you mean dataset.path?"),
+    ("model.pth=/x", "model.pth: Key 'pth' not in 'ModelConfig'"),
+    ("dataset.max_samples=many", "dataset.max_samples: Value 'many'"),
+    ("+foo=1", "+foo: the config has no key 'foo'"),
+    ("datset=sample", "Key 'datset' not in 'Config'"),
+])
+def test_config_errors_are_one_line_and_exit_2(override, match, tmp_path):
+    r = run_cli(*HF, "dry_run=true", override, f"output.dir={tmp_path}/out", timeout=120)
+    assert r.returncode == 2, (r.stdout[-2000:], r.stderr[-2000:])
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and match in lines[0], r.stderr
+    assert not (tmp_path / "out" / "run.json").exists()
+
+
+def test_extra_vllm_args_are_still_additions(tmp_path):
+    r = run_cli(*HF, "dry_run=true", "+engine.vllm_args.block_size=32",
+                f"output.dir={tmp_path}/out", timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+
+
+def test_max_model_len_above_the_models_limit_fails_in_preflight(tmp_path, offline):
+    from eagle3_extract.job import preflight
+
+    with pytest.raises(PreflightError, match=r"model\.max_model_len=8192 is above the model's "
+                                             r"limit of 4096"):
+        preflight(compose_cfg(*HF, "model.max_model_len=8192", "engine.token_budget=8192",
+                              f"output.dir={tmp_path}/out"))
+    assert not (tmp_path / "out" / "run.json").exists()  # nothing locked to the bad value
+
+
+def test_help_imports_neither_torch_nor_vllm():
+    code = ("import sys; sys.argv = ['eagle3-extract', '--help']\n"
+            "from eagle3_extract.cli import extract_main\n"
+            "try:\n    extract_main()\nexcept SystemExit:\n    pass\n"
+            "print('HEAVY', 'torch' in sys.modules, 'vllm' in sys.modules)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert "HEAVY False False" in r.stdout, r.stdout[-2000:] + r.stderr[-2000:]
+
+
+@pytest.mark.engine
+def test_the_embedded_default_is_quiet_and_fits_a_laptop(tmp_path):
+    """`make extract`'s job: peak memory of the whole process tree (driver + vLLM worker)
+    sampled while it runs, and what it prints."""
+    import time
+
+    import psutil
+
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("EAGLE3_", "HYDRA_", "VLLM_CPU_KVCACHE"))}
+    env["EAGLE3_OUTPUT_ROOT"] = str(tmp_path)
+    proc = subprocess.Popen([str(BIN / "eagle3-extract")], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    peak = 0
+    root = psutil.Process(proc.pid)
+    while proc.poll() is None:
+        try:
+            tree = [root, *root.children(recursive=True)]
+            peak = max(peak, sum(p.memory_info().rss for p in tree if p.is_running()))
+        except psutil.Error:
+            pass
+        time.sleep(0.1)
+    out = proc.stdout.read()
+    assert proc.returncode == 0, out[-3000:]
+    print(f"peak RSS of the tree: {peak / 2**30:.2f} GiB")
+    assert peak < 4 * 2**30, f"peak RSS {peak / 2**30:.2f} GiB"
+    assert "done: 35 samples" in out
+    assert "INFO" not in out.replace("[eagle3_extract][INFO]", "")  # no engine INFO lines
+    assert "incorrect outputs" not in out and "Loading safetensors" not in out

@@ -7,6 +7,7 @@ launcher (parallel.py), which runs this same command once per replica.
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import sys
 
@@ -18,9 +19,18 @@ from .errors import Interrupted, JobError, PreflightError
 log = logging.getLogger("eagle3_extract")
 
 
+def quiet_engine_logs(verbose: bool) -> None:
+    """vLLM's own INFO lines (dozens per start) only with verbose=true; its warnings and
+    errors always. Set before vLLM is imported; workers inherit it."""
+    if not verbose:
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+        os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+
 def _task(cfg: DictConfig) -> None:
     from . import job, parallel
 
+    quiet_engine_logs(bool(cfg.verbose))
     try:
         if int(cfg.parallel.data_parallel_size) > 1:
             rc = parallel.launch_hydra_job(cfg)
@@ -44,10 +54,93 @@ def _task(cfg: DictConfig) -> None:
         sys.exit(e.exit_code)
 
 
+# Hydra's own flags; those that take a value take the next argument.
+_FLAGS_WITH_VALUE = {"--config-path", "-cp", "--config-name", "-cn", "--config-dir", "-cd",
+                     "--cfg", "-c", "--package", "-p", "--experimental-rerun"}
+_NO_COMPOSE = {"--help", "-h", "--hydra-help", "--version", "--info", "-i",
+               "--shell-completion", "-sc"}
+
+
+def overrides_of(argv: list[str]) -> list[str] | None:
+    """The Hydra overrides on a command line; None when it only asks for help."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a in _NO_COMPOSE:
+            return None
+        elif a in _FLAGS_WITH_VALUE:
+            skip = True
+        elif not a.startswith("-"):
+            out.append(a)
+    return out
+
+
+def config_problem(overrides: list[str]) -> str | None:
+    """What is wrong with the overrides, in one line, or None.
+
+    Composes the config once as Hydra will (a sweep with its first value of each
+    swept key) so that a misspelt key or a wrong type is reported in one line with
+    exit 2, not in Hydra's multi-line text; and refuses `+key=...` additions of keys
+    the schema does not have (Hydra adds them silently), except under the free-form
+    `engine.vllm_args` and `hydra`.
+    """
+    from hydra import compose, initialize_config_dir
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        parsed = OverridesParser.create().parse_overrides(overrides)
+    except HydraException as e:
+        return f"cannot parse the overrides: {str(e).splitlines()[0]}"
+    first, added = [], []
+    for o in parsed:
+        key = o.key_or_group
+        if key == "hydra" or key.startswith("hydra."):
+            continue
+        prefix = {"ADD": "+", "FORCE_ADD": "++", "DEL": "~"}.get(o.type.name, "")
+        try:
+            value = (next(iter(o.sweep_string_iterator()), None) if o.is_sweep_override()
+                     else o.get_value_element_as_str())
+        except Exception:  # noqa: BLE001 - an interval sweep etc.: Hydra checks it itself
+            continue
+        pkg = f"@{o.package}" if o.package else ""
+        first.append(f"{prefix}{key}{pkg}" + ("" if value is None else f"={value}"))
+        is_group = (conf_dir() / key.split(".")[0]).is_dir() and "." not in key
+        if prefix in ("+", "++") and not is_group and not key.startswith("engine.vllm_args."):
+            added.append(key)
+    try:
+        with initialize_config_dir(str(conf_dir()), version_base="1.3"):
+            cfg = compose("config", overrides=first)
+    except (HydraException, OmegaConfBaseException) as e:
+        cause = e.__cause__ if e.__cause__ is not None else e
+        msg = " ".join(str(cause).split("\n")[0].split())
+        key = getattr(cause, "full_key", None)
+        where = f"{key}: " if key and key not in msg else ""
+        return f"{where}{msg} (see the keys with: eagle3-extract --cfg job)"
+    for key in added:
+        parent, _, leaf = key.rpartition(".")
+        node = OmegaConf.select(cfg, parent) if parent else cfg
+        known = sorted(k for k in (node.keys() if OmegaConf.is_dict(node) else []) if k != leaf)
+        near = __import__("difflib").get_close_matches(leaf, known, n=1)
+        hint = f"did you mean {parent + '.' if parent else ''}{near[0]}? " if near else ""
+        return (f"+{key}: {parent or 'the config'} has no key {leaf!r}; {hint}"
+                "(extra vLLM engine arguments go under +engine.vllm_args.<name>)")
+    return None
+
+
 def extract_main() -> None:
     """Console script `eagle3-extract` (Hydra: overrides, -m sweeps, --cfg job, ...)."""
     import hydra
 
+    overrides = overrides_of(sys.argv[1:])
+    if overrides is not None:
+        problem = config_problem(overrides)
+        if problem:
+            print(f"eagle3-extract: error: {problem}", file=sys.stderr, flush=True)
+            sys.exit(2)
     hydra.main(config_path=str(conf_dir()), config_name="config", version_base="1.3")(_task)()
 
 

@@ -114,6 +114,7 @@ class Config:
     shard: ShardConfig = field(default_factory=ShardConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     dry_run: bool = False  # preflight only: check everything, extract nothing
+    verbose: bool = False  # engine logs (vLLM at INFO) besides the job's own
 
 
 def conf_dir() -> Path:

@@ -173,6 +173,11 @@ def preflight(cfg: Any) -> Plan:
         info = inspect_model(cfg.model)
     except (ValueError, OSError) as e:
         raise PreflightError(f"model.path={str(cfg.model.path)!r}: {e}") from e
+    limit = info.max_positions
+    if limit and int(cfg.model.max_model_len) > limit:
+        raise PreflightError(
+            f"model.max_model_len={cfg.model.max_model_len} is above the model's limit of "
+            f"{limit} tokens (config.json of {info.path}); set model.max_model_len <= {limit}")
     try:
         layer_ids = resolve_layer_ids(
             None if cfg.layers.ids is None else list(cfg.layers.ids), info.num_layers

@@ -55,6 +55,8 @@ class ModelInfo:
     hidden_size: int
     dtype: torch.dtype
     config_sha256: str | None
+    max_positions: int | None = None  # the longest sequence the model was built for
+    kv_bytes_per_token: int = 0  # K and V of every layer, standard attention (CPU sizing)
 
 
 def _dtype(name: str | None, cfg: dict[str, Any]) -> torch.dtype:
@@ -89,8 +91,23 @@ def inspect_model(model_cfg: Any) -> ModelInfo:
         architecture=(cfg.get("architectures") or ["?"])[0],
         num_layers=int(text["num_hidden_layers"]),
         hidden_size=int(text["hidden_size"]),
-        dtype=_dtype(getattr(model_cfg, "dtype", None), cfg),
+        dtype=(dtype := _dtype(getattr(model_cfg, "dtype", None), cfg)),
         config_sha256=sha,
+        max_positions=next((int(text[k]) for k in POSITION_KEYS if text.get(k)), None),
+        kv_bytes_per_token=_kv_bytes_per_token(text, dtype),
     )
+
+
+# Config keys that hold a model's longest sequence, by architecture family.
+POSITION_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
+
+
+def _kv_bytes_per_token(text: dict[str, Any], dtype: torch.dtype) -> int:
+    heads = int(text.get("num_attention_heads") or 1)
+    kv_heads = int(text.get("num_key_value_heads") or heads)
+    head_dim = int(text.get("head_dim") or 0) or (
+        int(text.get("qk_nope_head_dim") or 0) + int(text.get("qk_rope_head_dim") or 0)
+    ) or int(text["hidden_size"]) // heads
+    return 2 * int(text["num_hidden_layers"]) * kv_heads * head_dim * dtype.itemsize
 
 

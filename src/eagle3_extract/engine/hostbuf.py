@@ -86,7 +86,7 @@ class HostBuffer:
         self.tensor = map_file(self.path, self.shape, dtype)
         self._free = list(range(slots))
         self._cv = threading.Condition()
-        log.info("host buffer %s: %.0f MiB, %s", self.path, nbytes / 2**20, self.shape)
+        log.debug("host buffer %s: %.0f MiB, %s", self.path, nbytes / 2**20, self.shape)
 
     @property
     def nbytes(self) -> int:

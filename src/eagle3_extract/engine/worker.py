@@ -63,7 +63,7 @@ class CaptureExtension:
             self._capture_hooks.append(
                 layers[layer_ids[column] - 1].register_forward_hook(hook, with_kwargs=True))
         pp_rank = get_pp_group().rank_in_group
-        log.info("capture on PP rank %d (%s, %d layers): ids %s", pp_rank, path, len(layers),
+        log.debug("capture on PP rank %d (%s, %d layers): ids %s", pp_rank, path, len(layers),
                  [layer_ids[c] for c in self._columns])
         return {"pp_rank": pp_rank, "columns": self._columns, "layers_path": path,
                 "num_layers": len(layers)}
