@@ -230,3 +230,21 @@ def test_the_embedded_default_is_quiet_and_fits_a_laptop(tmp_path):
     assert "done: 35 samples" in out
     assert "INFO" not in out.replace("[eagle3_extract][INFO]", "")  # no engine INFO lines
     assert "incorrect outputs" not in out and "Loading safetensors" not in out
+
+
+def test_two_jobs_racing_on_one_dir(tmp_path):
+    """Started together: one runs, the other is refused in one line; the data is whole."""
+    from test_job import BIN as EXTRACT
+    from test_job import env
+
+    out = tmp_path / "out"
+    procs = [subprocess.Popen([str(EXTRACT), *HF, f"output.dir={out}"], env=env(),
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+             for _ in range(2)]
+    results = [(p.wait(timeout=600), p.stderr.read()) for p in procs]
+    codes = sorted(rc for rc, _ in results)
+    assert codes == [0, 2], [(rc, err[-1500:]) for rc, err in results]
+    refused = next(err for rc, err in results if rc == 2).strip().splitlines()[-1]
+    assert "being written by pid" in refused
+    rc, rep = status(out)
+    assert rc == 0 and rep["complete"] and rep["totals"]["damaged"] == 0
