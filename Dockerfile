@@ -2,8 +2,11 @@
 # Python 3.12, for Hopper (sm90), Blackwell datacenter (sm100) and Blackwell RTX PRO /
 # GeForce (sm120).
 #
-# Build with `make build`: it passes PATCH_SERIES_SHA256 (docker/series-hash.sh) and
-# GIT_COMMIT, which end up in the image labels. Needs BuildKit (the default builder of
+# Stages: `base` (everything the job needs), `test` (base + the test suite, tests/ and
+# bench/: `docker compose --profile test`), `runtime` (the default target, what users run:
+# no tests). Build with `make build`: it passes PATCH_SERIES_SHA256 (docker/series-hash.sh)
+# and GIT_COMMIT, which end up in the image labels. `make image-test` builds both targets
+# and runs the tests inside the image. Needs BuildKit (the default builder of
 # Docker >= 23) for the cache mounts. Every version below is a build arg; the Python
 # pins must equal requirements/cuda.lock (checked here at build time and by
 # tests/test_container.py).
@@ -21,7 +24,7 @@
 ARG CUDA_VERSION=12.9.1
 ARG BASE_IMAGE=nvidia/cuda:12.9.1-devel-ubuntu24.04@sha256:020bc241a628776338f4d4053fed4c38f6f7f3d7eb5919fecb8de313bb8ba47c
 
-FROM ${BASE_IMAGE}
+FROM ${BASE_IMAGE} AS base
 
 # Python 3.12 is Ubuntu 24.04's own python3.
 ARG PYTHON_VERSION=3.12
@@ -130,11 +133,6 @@ RUN if [ -z "${VLLM_WHEEL_URL}" ]; then set -- --expect "vllm=${VLLM_VERSION}"; 
         --expect "torch=${TORCH_VERSION}" \
         --expect "speculators=${SPECULATORS_VERSION}"
 
-# The test suite and the files it checks, so `entrypoint.sh test` (compose profile `test`)
-# runs in the image.
-COPY tests/ tests/
-COPY requirements/ requirements/
-COPY Makefile Dockerfile docker-compose.yml .dockerignore ./
 COPY entrypoint.sh entrypoint.sh
 
 # The job's user (not root). APP_UID/APP_GID default to 1000, the usual first user of a
@@ -209,3 +207,15 @@ WORKDIR /data/outputs
 STOPSIGNAL SIGINT
 ENTRYPOINT ["/opt/eagle3-extract/entrypoint.sh"]
 CMD ["extract"]
+
+# --- test: the suite and the files it checks (entrypoint.sh test, compose profile test) ---
+FROM base AS test
+WORKDIR /opt/eagle3-extract
+COPY tests/ tests/
+COPY bench/ bench/
+COPY requirements/ requirements/
+COPY Makefile Dockerfile docker-compose.yml .dockerignore ./
+WORKDIR /data/outputs
+
+# --- runtime (default target): the job, no tests ---
+FROM base AS runtime

@@ -50,7 +50,7 @@ endif
 # docker/make-job.sh runs extract/sweep/verify (runner choice, DATASET/MODEL mapping).
 export RUNNER DATASET MODEL DIR VENV DOCKER COMPOSE MAKE
 
-.PHONY: help venv build extract sweep verify test lint bench clean distclean lock-cpu lock-cuda
+.PHONY: help venv build image-test extract sweep verify test lint bench clean distclean lock-cpu lock-cuda
 
 help: ## this list
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F ':.*## ' '{printf "  %-10s %s\n", $$1, $$2}'
@@ -87,6 +87,16 @@ build: ## docker build the GPU image (IMAGE=eagle3-extract:latest, BUILD_ARGS=..
 		--build-arg PATCH_SERIES_SHA256=$$series --build-arg GIT_COMMIT=$$commit \
 		$(BUILD_ARGS) .
 
+# The image built for real on this machine kind (CI): a Docker daemon of its own if none
+# answers (host networking only), a stand-in Ubuntu 24.04 base made with debootstrap (no
+# registry is reachable; the pinned CUDA base stays the Dockerfile's default), both targets
+# built, smoke-checked, the test suite run inside, a broken patch proven to fail the build.
+# On a host with a registry: docker/image-test.sh (BASE_IMAGE unset: the CUDA base).
+image-test: ## build the image on a stand-in base, test inside it (root; CI runs it)
+	@eval "$$(docker/dockerd.sh up)"; trap 'docker/dockerd.sh down' EXIT; \
+	.ci/standin-base.sh eagle3-standin:noble \
+	&& BASE_IMAGE=eagle3-standin:noble COMPOSE_EXTRA=.ci/compose.standin.yml docker/image-test.sh
+
 # --- jobs ---------------------------------------------------------------------------------
 extract: ## run an extraction: DATASET=name|file MODEL=name ARGS="hydra overrides"
 	@docker/make-job.sh extract $(ARGS)
@@ -104,7 +114,7 @@ test: venv ## the test suite in .venv (PYTEST_ARGS=...)
 lint: $(VENV)/.installed ## hadolint, compose schema, shellcheck, ruff
 	$(VENV)/bin/hadolint Dockerfile
 	$(VENV)/bin/check-jsonschema --builtin-schema vendor.compose-spec docker-compose.yml
-	$(VENV)/bin/shellcheck entrypoint.sh docker/*.sh $(wildcard .ci/run)
+	$(VENV)/bin/shellcheck entrypoint.sh docker/*.sh $(wildcard .ci/run .ci/*.sh)
 	$(VENV)/bin/ruff check $(LINT_PY)
 
 bench: venv ## throughput benchmark, CPU smoke defaults (BENCH_ARGS=...)

@@ -158,8 +158,31 @@ def test_base_image_is_cuda_12_9_devel_pinned_by_digest():
     assert (int(m.group(1)), int(m.group(2))) >= (12, 8)  # sm120 needs CUDA >= 12.8
     assert args["CUDA_VERSION"] == ".".join(m.group(1, 2, 3))
     froms = [rest for word, rest in dockerfile_instructions() if word == "FROM"]
-    assert froms == ["${BASE_IMAGE}"]
+    assert froms[0] == "${BASE_IMAGE} AS base"  # every stage builds on the pinned base
     assert args["PYTHON_VERSION"] == "3.12"
+
+
+def test_tests_live_in_the_test_stage_and_runtime_is_the_default_target():
+    """As vLLM's Dockerfile: the test suite (tests/, bench/) only in a `test` stage; the
+    last stage, what `docker build` and compose's extract service build, carries none."""
+    stages: dict[str, list[tuple[str, str]]] = {}
+    name = None
+    for word, rest in dockerfile_instructions():
+        if name is None and word != "FROM":
+            continue  # global ARGs
+        if word == "FROM":
+            name = rest.split(" AS ")[-1]
+            stages[name] = [(word, rest)]
+        else:
+            stages[name].append((word, rest))
+    assert list(stages) == ["base", "test", "runtime"]
+    copies = {n: [r.split()[0] for w, r in ins if w == "COPY"] for n, ins in stages.items()}
+    assert {"tests/", "bench/"} <= set(copies["test"])
+    assert not {"tests/", "bench/"} & set(copies["base"] + copies["runtime"])
+    assert stages["test"][0][1] == stages["runtime"][0][1].replace("runtime", "test")
+    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    assert compose["services"]["test"]["build"]["target"] == "test"
+    assert "target" not in compose["services"]["extract"]["build"]
 
 
 def test_runtime_environment():
@@ -385,7 +408,9 @@ def test_compose_gpu_service():
     assert doc["services"]["sweep"]["command"].split()[0] == "sweep"
     assert doc["services"]["test"]["profiles"] == ["test"]
     assert doc["services"]["test"]["command"][0] == "test"
-    assert doc["services"]["extract"]["image"] == doc["services"]["test"]["image"]
+    # the tests run in the same Dockerfile's `test` stage: the runtime image + tests/, bench/
+    build_x, build_t = doc["services"]["extract"]["build"], doc["services"]["test"]["build"]
+    assert {**build_x, "target": "test"} == build_t
 
 
 # --- build context ------------------------------------------------------------------------
@@ -455,7 +480,7 @@ def test_scripts_are_executable_and_strict():
     scripts = [ROOT / "entrypoint.sh", *sorted((ROOT / "docker").glob("*.sh"))]
     in_checkout = (ROOT / ".git").exists()  # the image ships no .ci/
     if in_checkout:
-        scripts.append(ROOT / ".ci" / "run")
+        scripts += [ROOT / ".ci" / "run", *sorted((ROOT / ".ci").glob("*.sh"))]
     for path in scripts:
         assert path.stat().st_mode & 0o111, f"{path} is not executable"
         text = path.read_text()

@@ -239,7 +239,7 @@ def test_half_finished_run_status_then_each_shard_resumes(hf_ref, tmp_path, offl
     assert "NOT COMPLETE" in text and "is gone" in text
     # the same manifest seen from where its pid cannot be checked: stale after a while
     m["process"]["host"] = "elsewhere"
-    entries = list(status.sample_files(out, "safetensors").values())
+    entries = list(status.verified_files(out, "safetensors")[0].values())
     man = Manifest.from_dict(m)
     assert status._shard(man, 1, 2, entries, 1e9).state == "running"
     assert "stale" in status._shard(man, 1, 2, entries, 0.0).reason
@@ -257,7 +257,7 @@ def test_status_reads_the_writer_layout():
     from eagle3_extract import layout, writer
 
     # One definition: status scans with the layout module, the writer names files with it.
-    assert status.sample_files is layout.sample_files
+    assert status.verified_files is layout.verified_files
     assert writer.sample_path is layout.sample_path and writer.EXTENSIONS is layout.EXTENSIONS
 
 
