@@ -47,7 +47,7 @@ compose=(-f docker-compose.yml)
 [[ -n ${COMPOSE_EXTRA:-} ]] && compose+=(-f "$COMPOSE_EXTRA")
 outputs=$(mktemp -d) && chmod 1777 "$outputs"
 EAGLE3_TEST_IMAGE="$IMAGE:test" EAGLE3_HOST_OUTPUTS=$outputs \
-    "$DOCKER" compose "${compose[@]}" --profile test run --rm --no-build test
+    "$DOCKER" compose "${compose[@]}" --profile test run --rm test
 
 step "a broken patch fails the build at the patch step"
 broken=$(mktemp -d)

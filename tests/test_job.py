@@ -230,6 +230,7 @@ def test_preflight_errors_name_the_key(case, tmp_path, offline):
     assert not (out / "run.json").exists()
 
 
+@pytest.mark.engine
 def test_nested_vllm_args_reach_vllm_as_plain_values(tmp_path, offline):
     """A nested override (attention_config={backend: ...}) was a DictConfig that vLLM's
     pydantic configs refused at engine start; now plain dicts, accepted by EngineArgs."""
@@ -384,6 +385,7 @@ def test_vllm_sigkill_then_resume_gives_the_uninterrupted_result(vllm_multirun, 
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+@pytest.mark.engine
 def test_vllm_sigterm_finishes_writes_says_interrupted_and_resumes(vllm_multirun, tmp_path):
     """SIGTERM, what a cluster sends, ends the job as Ctrl-C does."""
     ref = data_files(vllm_multirun[0] / "tiny" / "sample" / "eagle3")

@@ -248,3 +248,11 @@ def test_two_jobs_racing_on_one_dir(tmp_path):
     assert "being written by pid" in refused
     rc, rep = status(out)
     assert rc == 0 and rep["complete"] and rep["totals"]["damaged"] == 0
+
+
+def test_float16_for_a_bfloat16_checkpoint_fails_in_preflight(tmp_path, offline):
+    from eagle3_extract.job import preflight
+
+    with pytest.raises(PreflightError, match=r"model\.dtype=float16 for a bfloat16 checkpoint"):
+        preflight(compose_cfg(*HF, "model.dtype=float16", f"output.dir={tmp_path}/out"))
+    preflight(compose_cfg(*HF, "model.dtype=float32", f"output.dir={tmp_path}/ok")).close()

@@ -169,7 +169,9 @@ def test_submit_blocks_while_max_pending_batches_are_unwritten(tmp_path):
 def test_clean_stale_temps_only_for_owned_indices(tmp_path):
     d = tmp_path / "data" / "00000"
     d.mkdir(parents=True)
-    (d / "000000001.safetensors").write_bytes(b"x")
+    from safetensors.torch import save_file
+
+    save_file({"input_ids": torch.zeros(3, dtype=torch.int64)}, str(d / "000000001.safetensors"))
     for i in (2, 3):
         (d / f".00000000{i}.safetensors.tmp-{os.getpid() + i}").write_bytes(b"partial")
     (d / ".000000005.pt.tmp-77").write_bytes(b"partial")

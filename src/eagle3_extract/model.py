@@ -59,12 +59,26 @@ class ModelInfo:
     kv_bytes_per_token: int = 0  # K and V of every layer, standard attention (CPU sizing)
 
 
+def checkpoint_dtype(cfg: dict[str, Any]) -> str | None:
+    """The dtype a checkpoint was saved in (transformers >= 4.56 writes `dtype`)."""
+    for c in (text_config(cfg), cfg):
+        for key in ("dtype", "torch_dtype"):
+            if c.get(key):
+                return str(c[key]).removeprefix("torch.")
+    return None
+
+
 def _dtype(name: str | None, cfg: dict[str, Any]) -> torch.dtype:
     if name in (None, "auto"):
-        name = text_config(cfg).get("torch_dtype") or cfg.get("torch_dtype") or "bfloat16"
+        name = checkpoint_dtype(cfg) or "bfloat16"
     dt = getattr(torch, str(name).replace("torch.", ""), None)
-    if not isinstance(dt, torch.dtype):
-        raise ValueError(f"model.dtype={name!r} is not a torch dtype (use bfloat16, float16 or float32)")
+    if dt not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"model.dtype={name!r}: use bfloat16, float16 or float32")
+    if dt == torch.float16 and checkpoint_dtype(cfg) == "bfloat16":
+        # bf16-trained activations exceed float16's range in real models: the job would
+        # stop at the first Inf, after the model load. Refuse now.
+        raise ValueError("model.dtype=float16 for a bfloat16 checkpoint: its hidden states "
+                         "can overflow float16; use model.dtype=bfloat16 (or float32)")
     return dt
 
 
