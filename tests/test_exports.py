@@ -1,0 +1,92 @@
+"""What a trainer computes from our files: its targets must be the target model's own.
+
+On the real SmolLM2-135M-Instruct (from a PyPI package, no network) and the real vLLM 0.16
+CPU build: `output=speculators_pt` read the way speculators 0.3.0's trainer reads it (the
+last stored layer is the verifier's final state) and turned into targets by its own
+Eagle3DraftModel modules (`verifier_norm` from patch 0001, then `verifier_lm_head`) must
+give the model's own next-token distribution. Without the norm (unpatched 0.3.0) they do
+not: the control shows the check can fail.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_job import compose_cfg
+
+pytestmark = pytest.mark.engine
+SAMPLES = 6
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    from eagle3_extract.smollm2 import build_smollm2
+
+    return build_smollm2()
+
+
+@pytest.fixture(scope="module")
+def pt_run(smollm2, tmp_path_factory):
+    from eagle3_extract.job import run
+
+    out = tmp_path_factory.mktemp("smollm2") / "pt"
+    m = run(compose_cfg("engine=vllm", "engine.distributed_executor_backend=uni",
+                        f"model.path={smollm2}", "model.max_model_len=1024",
+                        "engine.token_budget=2048", f"dataset.max_samples={SAMPLES}",
+                        "output=speculators_pt", f"output.dir={out}"))
+    assert m["counts"]["written"] == SAMPLES
+    return out, m
+
+
+def drafter(verifier):
+    """speculators 0.3.0's EAGLE-3 draft model over the verifier, full draft vocabulary."""
+    from transformers import AutoConfig, LlamaConfig
+
+    from speculators.config import SpeculatorsConfig, VerifierConfig
+    from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
+    from speculators.proposals.greedy import GreedyTokenProposalConfig
+
+    vc = AutoConfig.from_pretrained(verifier)
+    layer = LlamaConfig(hidden_size=vc.hidden_size, intermediate_size=vc.intermediate_size,
+                        num_attention_heads=vc.num_attention_heads, num_hidden_layers=1,
+                        num_key_value_heads=vc.num_key_value_heads, vocab_size=vc.vocab_size,
+                        rms_norm_eps=vc.rms_norm_eps, head_dim=getattr(vc, "head_dim", None))
+    cfg = Eagle3SpeculatorConfig(
+        transformer_layer_config=layer, draft_vocab_size=vc.vocab_size,
+        speculators_config=SpeculatorsConfig(
+            algorithm="eagle3", proposal_methods=[GreedyTokenProposalConfig()],
+            default_proposal_method="greedy",
+            verifier=VerifierConfig(name_or_path=str(verifier), architectures=vc.architectures)))
+    return Eagle3DraftModel(cfg, t2d=torch.ones(vc.vocab_size, dtype=torch.bool),
+                            d2t=torch.zeros(vc.vocab_size, dtype=torch.long))
+
+
+def test_speculators_pt_targets_are_the_models_own_logits(smollm2, pt_run):
+    from transformers import AutoModelForCausalLM
+
+    from speculators.train.data import Eagle3SampleFileDataset
+
+    out, manifest = pt_run
+    assert manifest["output"]["targets"].startswith("pre-norm")
+    files = Eagle3SampleFileDataset(max_len=1024, datapath=str(out))
+    assert len(files) == SAMPLES
+    model = AutoModelForCausalLM.from_pretrained(smollm2, dtype=torch.float32).eval()
+    m = drafter(smollm2)
+    agree = control = total = 0
+    rel = []
+    with torch.no_grad():
+        for path in sorted((out / "data").rglob("*.pt")):
+            sample = torch.load(path, weights_only=True)
+            last = sample["hidden_states"][-1].float()  # what the trainer takes as the verifier's
+            want = model(sample["input_ids"][None]).logits[0]
+            got = m.verifier_lm_head(m.verifier_norm(last))  # the patched trainer's targets
+            raw = m.verifier_lm_head(last)  # unpatched 0.3.0: no final norm
+            agree += int((got.argmax(-1) == want.argmax(-1)).sum())
+            control += int((raw.argmax(-1) == want.argmax(-1)).sum())
+            total += len(want)
+            rel.append(((got - want).norm(dim=-1) / want.norm(dim=-1)).mean())
+    print(f"argmax agreement {agree / total:.4f}, without the norm {control / total:.4f}, "
+          f"mean relative logit error {torch.stack(rel).mean():.4f} over {total} tokens")
+    assert agree / total >= 0.99
+    assert torch.stack(rel).mean() < 0.05  # bf16 states through a float32 head
+    assert control / total < 0.5  # the check fails on targets without the final norm
