@@ -90,3 +90,33 @@ def test_speculators_pt_targets_are_the_models_own_logits(smollm2, pt_run):
     assert agree / total >= 0.99
     assert torch.stack(rel).mean() < 0.05  # bf16 states through a float32 head
     assert control / total < 0.5  # the check fails on targets without the final norm
+
+
+def test_verify_checks_the_final_state_against_the_models_logits(smollm2, tmp_path):
+    """eagle3-verify on the real model: clean data passes its logits check; the same data
+    with a post-norm final state (the norm applied twice by a trainer) fails it."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    from eagle3_extract import verify
+    from eagle3_extract.job import run
+
+    out = tmp_path / "st"
+    run(compose_cfg("engine=vllm", "engine.distributed_executor_backend=uni",
+                    f"model.path={smollm2}", "model.max_model_len=1024",
+                    "engine.token_budget=2048", "dataset.max_samples=4", f"output.dir={out}"))
+    report = verify.verify(out, references=["hf"], samples=4)
+    assert report["ok"], report["failures"]
+    assert report["logits"]["argmax_agreement"] >= 0.97
+    norm = AutoModelForCausalLM.from_pretrained(smollm2).get_decoder().norm
+    for path in (out / "data").rglob("*.safetensors"):
+        t = load_file(path)
+        with torch.no_grad():
+            t["hidden_states"][:, -1] = norm(t["hidden_states"][:, -1].float()).to(torch.bfloat16)
+        with safe_open(str(path), "pt") as f:
+            meta = f.metadata()
+        save_file(t, str(path), metadata=meta)
+    report = verify.verify(out, references=["hf"], samples=4)
+    assert not report["ok"]
+    assert any(f.startswith("logits:") for f in report["failures"]), report["failures"]

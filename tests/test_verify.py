@@ -163,3 +163,26 @@ def test_tolerances_per_dtype_and_override(clean, refs):
     report = verify.verify(clean, built=refs[:1], samples=2, tol={"median": 1e-4})
     assert not report["ok"] and report["tolerance"]["median"] == 1e-4
     assert failing(report, "hf rel err median")
+
+
+def test_the_final_state_reproduces_the_models_logits(clean, refs):
+    lg = check(clean, refs)["logits"]
+    assert lg["tokens"] > 0 and lg["argmax_agreement"] >= lg["required"], lg
+
+
+def test_a_wrong_final_state_fails_the_logits_check(copy, refs):
+    """id N-1's state stored as id N. (A post-norm state stored as id N passes on a random
+    tiny model, whose norm weight is all ones and RMS norm scale-free: test_exports.py
+    shows that case on the real SmolLM2.)"""
+    hf = make_engine("hf", [7])
+    try:
+        for i in range(6):
+            path = sample_file(copy, i)
+            t, _ = load_st(path)
+            bad = hf.extract(Batch([Sample(i, t["input_ids"].tolist(), [])])).states[0][:, 0]
+            rewrite(path, lambda t, bad=bad: t["hidden_states"][:, -1].copy_(bad))
+    finally:
+        hf.close()
+    report = check(copy, refs)
+    assert not report["ok"]
+    assert failing(report, "logits: lm_head(final_norm(layer 8))"), report["failures"]

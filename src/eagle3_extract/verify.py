@@ -92,6 +92,11 @@ MOE_TOLERANCES = {
     "float16": Tol(0.05, 0.30, math.inf),
     "bfloat16": Tol(0.05, 0.30, math.inf),
 }
+# The final state through the model's own final norm and lm_head against its own logits:
+# the least share of positions whose next token (argmax) must agree, per dtype. A wrong
+# final layer, a missing or doubled norm, or a shifted row drops it far below (the real
+# SmolLM2-135M: 0.99 right, 0.18 without the norm).
+LOGITS_ARGMAX = {"float32": 0.999, "float16": 0.98, "bfloat16": 0.97}
 # vLLM 0.16 models whose forward appends `hidden_states + residual` before layer
 # idx (read from vllm/model_executor/models/{llama,qwen2,qwen3}.py).
 VLLM_AUX_ARCHS = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
@@ -499,6 +504,9 @@ def verify(root: str | Path, overrides: list[str] | None = None, samples: int = 
             owned = False
         try:
             report["references"][name] = _run_reference(ref, loaded, layer_ids, tols, failures)
+            if name == "hf":
+                report["logits"] = logits_check(ref.engine.model, loaded, layer_ids,
+                                                info.num_layers, man.model["dtype"], failures)
         finally:
             if owned:
                 ref.close()
@@ -507,6 +515,44 @@ def verify(root: str | Path, overrides: list[str] | None = None, samples: int = 
     report.update(warnings=warnings, failures=failures, ok=not failures,
                   seconds=round(time.perf_counter() - t0, 3))
     return report
+
+
+def logits_check(model: torch.nn.Module, loaded: dict[int, tuple[Sample, torch.Tensor]],
+                 layer_ids: list[int], num_layers: int, dtype: str,
+                 failures: list[str]) -> dict[str, Any]:
+    """Does the stored final state (id N, pre-norm) reproduce the model's own logits?
+
+    What every trainer computes its targets with: lm_head(final_norm(state N)). Compared
+    with the model's logits on the same token ids: argmax agreement (>= LOGITS_ARGMAX of
+    the dtype) and the relative logit error.
+    """
+    if num_layers not in layer_ids:
+        return {"skipped": f"layer id {num_layers} (the final state) was not extracted"}
+    col = layer_ids.index(num_layers)
+    norm = getattr(model.get_decoder(), "norm", None)
+    head = model.get_output_embeddings()
+    if norm is None or head is None:
+        return {"skipped": f"{type(model).__name__} has no final norm / lm_head to apply"}
+    device = next(model.parameters()).device
+    agree = total = 0
+    errs = []
+    with torch.no_grad():
+        for index, (sample, disk) in loaded.items():
+            ids = torch.tensor([sample.input_ids], device=device)
+            want = model(input_ids=ids, use_cache=False).logits[0].float()
+            state = disk[:, col].to(device=device, dtype=head.weight.dtype)
+            got = head(norm(state)).float()
+            agree += int((got.argmax(-1) == want.argmax(-1)).sum())
+            total += len(want)
+            errs.append(((got - want).norm(dim=-1) / want.norm(dim=-1).clamp_min(1e-6)).mean())
+    share = agree / total if total else 0.0
+    need = LOGITS_ARGMAX.get(dtype, LOGITS_ARGMAX["bfloat16"])
+    if share < need:
+        failures.append(f"logits: lm_head(final_norm(layer {num_layers})) agrees with the "
+                        f"model's own next token at {share:.3f} of positions, < {need} "
+                        "(wrong final layer, a missing or doubled norm, or shifted rows)")
+    return {"argmax_agreement": round(share, 4), "required": need, "tokens": total,
+            "relative_error_mean": _r(float(torch.stack(errs).mean())) if errs else None}
 
 
 def _run_reference(ref: Reference, loaded: dict[int, tuple[Sample, torch.Tensor]],
@@ -555,6 +601,11 @@ def print_report(report: dict[str, Any], out=None, limit: int = 40) -> None:
               file=out)
         for k, v in r["per_layer"].items():
             print(f"    {k:>4}: {v['median']} / {v['mean']} / {v['max']}", file=out)
+    lg = report.get("logits")
+    if lg:
+        print("  logits of the final state: " + (f"skipped ({lg['skipped']})" if "skipped" in lg
+              else f"argmax agreement {lg['argmax_agreement']} (>= {lg['required']}), "
+                   f"relative error {lg['relative_error_mean']}"), file=out)
     for kind in ("warnings", "failures"):
         print_items(kind, [str(f) for f in report[kind]], limit, out)
 
