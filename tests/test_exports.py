@@ -120,3 +120,48 @@ def test_verify_checks_the_final_state_against_the_models_logits(smollm2, tmp_pa
     report = verify.verify(out, references=["hf"], samples=4)
     assert not report["ok"]
     assert any(f.startswith("logits:") for f in report["failures"]), report["failures"]
+
+
+def test_draft_vocab_is_speculators_selection():
+    import numpy as np
+
+    from speculators.train.vocab_mapping import build_vocab_mappings_from_distribution
+
+    from eagle3_extract.token_freq import draft_vocab
+
+    rng = np.random.default_rng(0)
+    loss = {int(t): int(n) for t, n in zip(rng.choice(5000, 900, replace=False),
+                                           rng.integers(1, 50, 900))}
+    for size in (300, 900, 1200):  # fewer, as many, more than the tokens seen
+        d2t, t2d = draft_vocab(loss, size, 5000)
+        want_d2t, want_t2d = build_vocab_mappings_from_distribution(loss, size, 5000)
+        assert np.array_equal(d2t, want_d2t.numpy()) and np.array_equal(t2d, want_t2d.numpy())
+
+
+@pytest.mark.parametrize("shards", [1, 2])
+def test_the_job_writes_the_draft_vocabulary(tmp_path, shards, monkeypatch):
+    import json
+
+    import numpy as np
+
+    from eagle3_extract.job import run
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    out = tmp_path / "out"
+    common = ["engine=hf", "dataset.max_samples=12", "model.max_model_len=1024",
+              "engine.token_budget=1024", "output.draft_vocab_size=100", f"output.dir={out}"]
+    for i in range(shards):
+        m = run(compose_cfg(*common, f"shard.count={shards}", f"shard.index={i}"))
+    assert m["vocab"]["draft_vocab_size"] == 100 and 0 < m["vocab"]["loss_token_coverage"] <= 1
+    d2t, t2d = np.load(out / "vocab" / "d2t.npy"), np.load(out / "vocab" / "t2d.npy")
+    assert d2t.shape == (100,) and d2t.dtype == np.int64
+    assert t2d.dtype == bool and t2d.sum() == 100 and len(t2d) == m["vocab"]["target_vocab_size"]
+    freq = json.loads((out / "token_freq.json").read_text())
+    assert freq["samples"] == 12
+    top = sorted(freq["loss"], key=lambda t: -freq["loss"][t])[:20]
+    assert all(t2d[int(t)] for t in top)  # the most frequent loss tokens are kept
+    assert np.array_equal(np.flatnonzero(t2d), np.arange(100) + d2t)  # target = draft + d2t
+    if shards == 2:
+        alone = tmp_path / "alone"
+        run(compose_cfg(*common[:-1], f"output.dir={alone}"))
+        assert json.loads((alone / "token_freq.json").read_text()) == freq

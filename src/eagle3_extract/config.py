@@ -79,6 +79,8 @@ class OutputConfig:
     format: str = "safetensors"
     files_per_dir: int = 10000
     writer_threads: int = 2
+    # vocab/d2t.npy + t2d.npy from the loss-token counts (speculators' layout); null: none
+    draft_vocab_size: Optional[int] = 32000
 
 
 @dataclass
@@ -210,6 +212,8 @@ def validate(cfg: Any) -> None:
     _positive("parallel.data_parallel_size", cfg.parallel.data_parallel_size)
     if cfg.dataset.max_samples is not None:
         _positive("dataset.max_samples", cfg.dataset.max_samples)
+    if cfg.output.draft_vocab_size is not None:
+        _positive("output.draft_vocab_size", cfg.output.draft_vocab_size)
     if not 0 <= cfg.shard.index < cfg.shard.count:
         raise ConfigError(
             f"shard.index={cfg.shard.index} must be in 0..shard.count-1 "

@@ -10,6 +10,7 @@ A preflight failure is a PreflightError whose message names the key to change
 from __future__ import annotations
 
 import errno
+import json
 import logging
 import os
 import re
@@ -461,8 +462,35 @@ def _run(plan: Plan, t_start: float) -> dict[str, Any]:
     manifest.token_freq = freq_path.name
     manifest.finished = time.strftime("%Y-%m-%dT%H:%M:%S%z")
     snapshot("complete")
+    vocab = _merge_when_last(plan)
+    if vocab is not None:
+        manifest.vocab = vocab
+        snapshot("complete")
     _summary(manifest, root)
     return manifest.to_dict()
+
+
+def _merge_when_last(plan: Plan) -> dict[str, Any] | None:
+    """Once every shard of this run's partition is complete: one token_freq.json over all
+    of them (the shard that completes last writes it; two at once write the same) and the
+    draft vocabulary mapping from its loss counts."""
+    root, count = plan.root, plan.shard[1]
+    docs = []
+    for i in range(count):
+        try:
+            m = Manifest.read(root / manifest_name(i, count))
+            if m.status != "complete" or m.run_id != plan.ident["run_id"]:
+                return None
+            docs.append(json.loads((root / manifest_name(i, count, "token_freq")).read_text()))
+        except (OSError, ValueError):
+            return None
+    freq = docs[0] if count == 1 else token_freq.merge(docs)
+    if count > 1:
+        write_json_atomic(root / "token_freq.json", freq)
+    size, vocab = plan.cfg.output.draft_vocab_size, plan.info.vocab_size
+    if size is None or not vocab:
+        return {"token_freq": "token_freq.json"}
+    return {"token_freq": "token_freq.json", **token_freq.write_vocab(root, freq, int(size), vocab)}
 
 
 def _previous_manifest(plan: Plan) -> Manifest | None:

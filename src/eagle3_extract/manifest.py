@@ -67,6 +67,7 @@ class Manifest:
     bytes: dict[str, Any] | None = None
     token_freq: str | None = None
     produced_by: dict[str, int] | None = None  # engine name -> sample files it wrote
+    vocab: dict[str, Any] | None = None  # merged token_freq.json, vocab/ (d2t, t2d) when written
     versions: dict[str, Any] | None = None
     patches: dict[str, Any] | None = None
 

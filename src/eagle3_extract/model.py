@@ -57,6 +57,7 @@ class ModelInfo:
     config_sha256: str | None
     max_positions: int | None = None  # the longest sequence the model was built for
     kv_bytes_per_token: int = 0  # K and V of every layer, standard attention (CPU sizing)
+    vocab_size: int | None = None
 
 
 def checkpoint_dtype(cfg: dict[str, Any]) -> str | None:
@@ -109,6 +110,7 @@ def inspect_model(model_cfg: Any) -> ModelInfo:
         config_sha256=sha,
         max_positions=next((int(text[k]) for k in POSITION_KEYS if text.get(k)), None),
         kv_bytes_per_token=_kv_bytes_per_token(text, dtype),
+        vocab_size=int(text["vocab_size"]) if text.get("vocab_size") else None,
     )
 
 

@@ -9,9 +9,13 @@ freq["loss"].items()}`).
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+VOCAB_DIR = "vocab"  # d2t.npy, t2d.npy: the draft vocabulary mapping
 
 
 def _bincount_into(acc: np.ndarray, ids: np.ndarray) -> np.ndarray:
@@ -61,3 +65,55 @@ def of_tokenized(data: Any) -> dict[str, Any]:
     counts.all = _bincount_into(counts.all, data.ids)
     counts.loss = _bincount_into(counts.loss, data.ids[data.mask.astype(bool)])
     return counts.to_json(samples=len(data))
+
+
+def draft_vocab(loss: dict[int, int], draft_vocab_size: int,
+                target_vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """(d2t, t2d) in speculators' layout: the `draft_vocab_size` most frequent loss tokens
+    (ties by id; topped up with the lowest unused ids), sorted; d2t[i] = target id - i
+    (int64), t2d[target id] = whether it is in the draft vocabulary (bool). The same
+    selection as speculators' `build_vocab_mappings_from_distribution`."""
+    size = min(draft_vocab_size, target_vocab_size)
+    chosen = sorted(loss, key=lambda t: (-loss[t], t))[:size]
+    have = set(chosen)
+    for t in range(target_vocab_size):
+        if len(chosen) >= size:
+            break
+        if t not in have:
+            chosen.append(t)
+    chosen.sort()
+    d2t = np.asarray(chosen, dtype=np.int64) - np.arange(size, dtype=np.int64)
+    t2d = np.zeros(target_vocab_size, dtype=bool)
+    t2d[chosen] = True
+    return d2t, t2d
+
+
+def merge(docs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One token_freq.json from the shards' files."""
+    out: dict[str, Any] = {"samples": 0, "tokens": 0, "loss_tokens": 0, "loss": {}, "all": {}}
+    for d in docs:
+        for k in ("samples", "tokens", "loss_tokens"):
+            out[k] += int(d[k])
+        for key in ("loss", "all"):
+            for tid, n in d[key].items():
+                out[key][tid] = out[key].get(tid, 0) + int(n)
+    for key in ("loss", "all"):
+        out[key] = dict(sorted(out[key].items(), key=lambda kv: int(kv[0])))
+    return out
+
+
+def write_vocab(root: Path, freq: dict[str, Any], draft_vocab_size: int,
+                target_vocab_size: int) -> dict[str, Any]:
+    """`vocab/d2t.npy` and `vocab/t2d.npy` (atomic), and what they cover."""
+    loss = {int(k): int(v) for k, v in freq["loss"].items()}
+    d2t, t2d = draft_vocab(loss, draft_vocab_size, target_vocab_size)
+    out = root / VOCAB_DIR
+    out.mkdir(exist_ok=True)
+    for name, arr in (("d2t.npy", d2t), ("t2d.npy", t2d)):
+        tmp = out / f".{name}.tmp-{os.getpid()}"
+        with open(tmp, "wb") as f:
+            np.save(f, arr)
+        os.replace(tmp, out / name)
+    kept = sum(n for t, n in loss.items() if t < target_vocab_size and t2d[t])
+    return {"dir": VOCAB_DIR, "draft_vocab_size": len(d2t), "target_vocab_size": target_vocab_size,
+            "loss_token_coverage": round(kept / max(1, sum(loss.values())), 6)}
