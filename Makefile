@@ -95,7 +95,8 @@ build: ## docker build the GPU image (IMAGE=eagle3-extract:latest, BUILD_ARGS=..
 image-test: ## build the image on a stand-in base, test inside it (root; CI runs it)
 	@eval "$$(docker/dockerd.sh up)"; trap 'docker/dockerd.sh down' EXIT; \
 	.ci/standin-base.sh eagle3-standin:noble \
-	&& BASE_IMAGE=eagle3-standin:noble COMPOSE_EXTRA=.ci/compose.standin.yml docker/image-test.sh
+	&& EAGLE3_NO_BRIDGE=1 BASE_IMAGE=eagle3-standin:noble COMPOSE_EXTRA=.ci/compose.standin.yml \
+		docker/image-test.sh
 
 # --- jobs ---------------------------------------------------------------------------------
 extract: ## run an extraction: DATASET=name|file MODEL=name ARGS="hydra overrides"

@@ -3,6 +3,7 @@
 # inside it (compose profile `test`), and a build with a broken patch that must fail at the
 # patch step naming the patch and hunk. `make image-test` runs it (and CI, through it).
 #   IMAGE=eagle3-extract BASE_IMAGE=... COMPOSE_EXTRA=override.yml docker/image-test.sh
+# EAGLE3_NO_BRIDGE=1: fail if any bridge network exists afterwards (hosts that forbid them).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 DOCKER=${DOCKER_CLI:-/usr/bin/docker}
@@ -48,6 +49,12 @@ compose=(-f docker-compose.yml)
 outputs=$(mktemp -d) && chmod 1777 "$outputs"
 EAGLE3_TEST_IMAGE="$IMAGE:test" EAGLE3_HOST_OUTPUTS=$outputs \
     "$DOCKER" compose "${compose[@]}" --profile test run --rm test
+
+bridges=$("$DOCKER" network ls --filter driver=bridge -q)
+if [[ -n $bridges && -n ${EAGLE3_NO_BRIDGE:-} ]]; then
+    echo "a bridge network exists after the compose run; none may be created here" >&2
+    exit 1
+fi
 
 step "a broken patch fails the build at the patch step"
 broken=$(mktemp -d)

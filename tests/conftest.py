@@ -59,3 +59,30 @@ def tiny_paths():
     from eagle3_extract.tiny import build_tiny_model
 
     return {a: build_tiny_model(a) for a in ("llama", "qwen3", "deepseek_v3")}
+
+
+def drafter(verifier, t2d=None, d2t=None):
+    """speculators 0.3.0's EAGLE-3 draft model over a verifier (full draft vocabulary unless
+    t2d/d2t are given): its `verifier_norm` and `verifier_lm_head` compute the targets."""
+    import torch
+    from transformers import AutoConfig, LlamaConfig
+
+    from speculators.config import SpeculatorsConfig, VerifierConfig
+    from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
+    from speculators.proposals.greedy import GreedyTokenProposalConfig
+
+    vc = AutoConfig.from_pretrained(verifier)
+    if t2d is None:
+        t2d = torch.ones(vc.vocab_size, dtype=torch.bool)
+        d2t = torch.zeros(vc.vocab_size, dtype=torch.long)
+    layer = LlamaConfig(hidden_size=vc.hidden_size, intermediate_size=vc.intermediate_size,
+                        num_attention_heads=vc.num_attention_heads, num_hidden_layers=1,
+                        num_key_value_heads=vc.num_key_value_heads, vocab_size=vc.vocab_size,
+                        rms_norm_eps=vc.rms_norm_eps, head_dim=getattr(vc, "head_dim", None))
+    cfg = Eagle3SpeculatorConfig(
+        transformer_layer_config=layer, draft_vocab_size=int(t2d.sum()),
+        speculators_config=SpeculatorsConfig(
+            algorithm="eagle3", proposal_methods=[GreedyTokenProposalConfig()],
+            default_proposal_method="greedy",
+            verifier=VerifierConfig(name_or_path=str(verifier), architectures=vc.architectures)))
+    return Eagle3DraftModel(cfg, t2d=t2d, d2t=d2t)

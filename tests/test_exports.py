@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import drafter
 from test_job import compose_cfg
 
 pytestmark = pytest.mark.engine
@@ -36,29 +37,6 @@ def pt_run(smollm2, tmp_path_factory):
                         "output=speculators_pt", f"output.dir={out}"))
     assert m["counts"]["written"] == SAMPLES
     return out, m
-
-
-def drafter(verifier):
-    """speculators 0.3.0's EAGLE-3 draft model over the verifier, full draft vocabulary."""
-    from transformers import AutoConfig, LlamaConfig
-
-    from speculators.config import SpeculatorsConfig, VerifierConfig
-    from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
-    from speculators.proposals.greedy import GreedyTokenProposalConfig
-
-    vc = AutoConfig.from_pretrained(verifier)
-    layer = LlamaConfig(hidden_size=vc.hidden_size, intermediate_size=vc.intermediate_size,
-                        num_attention_heads=vc.num_attention_heads, num_hidden_layers=1,
-                        num_key_value_heads=vc.num_key_value_heads, vocab_size=vc.vocab_size,
-                        rms_norm_eps=vc.rms_norm_eps, head_dim=getattr(vc, "head_dim", None))
-    cfg = Eagle3SpeculatorConfig(
-        transformer_layer_config=layer, draft_vocab_size=vc.vocab_size,
-        speculators_config=SpeculatorsConfig(
-            algorithm="eagle3", proposal_methods=[GreedyTokenProposalConfig()],
-            default_proposal_method="greedy",
-            verifier=VerifierConfig(name_or_path=str(verifier), architectures=vc.architectures)))
-    return Eagle3DraftModel(cfg, t2d=torch.ones(vc.vocab_size, dtype=torch.bool),
-                            d2t=torch.zeros(vc.vocab_size, dtype=torch.long))
 
 
 def test_speculators_pt_targets_are_the_models_own_logits(smollm2, pt_run):
@@ -161,6 +139,9 @@ def test_the_job_writes_the_draft_vocabulary(tmp_path, shards, monkeypatch):
     top = sorted(freq["loss"], key=lambda t: -freq["loss"][t])[:20]
     assert all(t2d[int(t)] for t in top)  # the most frequent loss tokens are kept
     assert np.array_equal(np.flatnonzero(t2d), np.arange(100) + d2t)  # target = draft + d2t
+    # speculators 0.3.0's draft model takes them as they are: its lm_heads are the 100 rows
+    draft = drafter(m["model"]["resolved_path"], torch.from_numpy(t2d), torch.from_numpy(d2t))
+    assert draft.verifier_lm_head.weight.shape[0] == 100
     if shards == 2:
         alone = tmp_path / "alone"
         run(compose_cfg(*common[:-1], f"output.dir={alone}"))

@@ -142,23 +142,9 @@ DRAFTER_NORM = """
 import sys, torch
 import speculators
 assert speculators.__file__.startswith(sys.argv[2]), speculators.__file__
-from transformers import AutoConfig, LlamaConfig
-from speculators.config import SpeculatorsConfig, VerifierConfig
-from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
-from speculators.proposals.greedy import GreedyTokenProposalConfig
-vc = AutoConfig.from_pretrained(sys.argv[1])
-layer = LlamaConfig(hidden_size=vc.hidden_size, intermediate_size=vc.intermediate_size,
-                    num_attention_heads=vc.num_attention_heads, num_hidden_layers=1,
-                    num_key_value_heads=vc.num_key_value_heads, vocab_size=vc.vocab_size,
-                    rms_norm_eps=vc.rms_norm_eps, head_dim=getattr(vc, "head_dim", None))
-cfg = Eagle3SpeculatorConfig(
-    transformer_layer_config=layer, draft_vocab_size=vc.vocab_size,
-    speculators_config=SpeculatorsConfig(
-        algorithm="eagle3", proposal_methods=[GreedyTokenProposalConfig()],
-        default_proposal_method="greedy",
-        verifier=VerifierConfig(name_or_path=sys.argv[1], architectures=vc.architectures)))
-m = Eagle3DraftModel(cfg, t2d=torch.ones(vc.vocab_size, dtype=torch.bool),
-                     d2t=torch.zeros(vc.vocab_size, dtype=torch.long))
+sys.path.insert(0, sys.argv[5])
+from conftest import drafter
+m = drafter(sys.argv[1])
 x = torch.load(sys.argv[3])
 torch.save(m.verifier_norm(x) if hasattr(m, "verifier_norm") else None, sys.argv[4])
 """
@@ -182,7 +168,8 @@ def test_trainer_targets_go_through_the_verifier_norm(fresh_target, tiny_paths, 
     def drafter_norm(site: Path):
         env = dict(os.environ, PYTHONPATH=f"{site}{os.pathsep}" + os.environ.get("PYTHONPATH", ""))
         res = subprocess.run([sys.executable, "-c", DRAFTER_NORM, str(verifier), str(site),
-                              str(tmp_path / "x.pt"), str(tmp_path / "y.pt")],
+                              str(tmp_path / "x.pt"), str(tmp_path / "y.pt"),
+                              str(Path(__file__).parent)],
                              capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path)
         assert res.returncode == 0, res.stderr[-2000:]
         return torch.load(tmp_path / "y.pt")

@@ -12,11 +12,9 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
-import shutil
-import tempfile
 from pathlib import Path
 
-from .tiny import cache_root
+from .tiny import build_once, cache_root
 
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -38,25 +36,16 @@ def build_smollm2(dtype: str = "bfloat16", root: Path | None = None) -> Path:
     key = hashlib.sha256(f"{src.stat().st_size}-{dtype}".encode()).hexdigest()[:12]
     root = Path(root) if root else cache_root() / "real"
     out = root / f"smollm2-135m-instruct-{dtype}-{key}"
-    if (out / "model.safetensors").exists():
-        return out
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=root))
-    try:
+    def make(tmp: Path) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
         tok = AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name)
         model = AutoModelForCausalLM.from_pretrained(str(src.parent), gguf_file=src.name,
                                                      dtype=torch.float32)
         model.to(getattr(torch, dtype)).save_pretrained(tmp, safe_serialization=True)
         tok.save_pretrained(tmp)
         (tmp / "tokenizer.model").unlink(missing_ok=True)  # a copy of the GGUF; not needed
-        try:
-            tmp.rename(out)
-        except OSError:  # built concurrently: keep theirs
-            shutil.rmtree(tmp, ignore_errors=True)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    return out
+
+    return build_once(out, make)

@@ -12,6 +12,7 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 ASSETS = Path(__file__).resolve().parent / "assets"
@@ -48,37 +49,47 @@ def _fingerprint(config_path: Path) -> str:
     return h.hexdigest()[:16]
 
 
-def build_tiny_model(config: str | Path, root: Path | None = None) -> Path:
-    """Return a directory holding config, weights and tokenizer; build it once."""
-    config_path = tiny_config_path(str(config))
-    root = Path(root) if root else cache_root() / "tiny"
-    out = root / f"{config_path.stem}-{_fingerprint(config_path)}"
+def build_once(out: Path, make: Callable[[Path], None]) -> Path:
+    """`out`, made by `make(tmp)` in a temp dir beside it and renamed into place, once:
+    a directory that exists is complete; one built concurrently elsewhere wins."""
     if (out / "model.safetensors").exists():
         return out
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=root))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
-        cfg = AutoConfig.for_model(**json.loads(config_path.read_text()))
-        torch.manual_seed(SEED)
-        dtype = getattr(torch, json.loads(config_path.read_text()).get("torch_dtype", "bfloat16"))
-        model = AutoModelForCausalLM.from_config(cfg, torch_dtype=torch.float32)
-        with torch.no_grad():
-            # Bigger-than-default init so layers change the residual stream visibly:
-            # a test that confuses two layer ids must see a large difference.
-            for name, p in model.named_parameters():
-                if p.dim() >= 2:
-                    p.normal_(0.0, 0.08)
-        model.to(dtype).save_pretrained(tmp, safe_serialization=True)
-        for f in TOKENIZER_DIR.iterdir():
-            shutil.copy(f, tmp / f.name)
+        make(tmp)
         try:
             os.replace(tmp, out)
         except OSError:  # built concurrently by another process: keep theirs
-            shutil.rmtree(tmp, ignore_errors=True)
+            pass
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def build_tiny_model(config: str | Path, root: Path | None = None) -> Path:
+    """Return a directory holding config, weights and tokenizer; build it once."""
+    config_path = tiny_config_path(str(config))
+    root = Path(root) if root else cache_root() / "tiny"
+
+    def make(tmp: Path) -> None:
+        import torch
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        raw = json.loads(config_path.read_text())
+        cfg = AutoConfig.for_model(**raw)
+        torch.manual_seed(SEED)
+        model = AutoModelForCausalLM.from_config(cfg, torch_dtype=torch.float32)
+        with torch.no_grad():
+            # Bigger-than-default init so layers change the residual stream visibly:
+            # a test that confuses two layer ids must see a large difference.
+            for p in model.parameters():
+                if p.dim() >= 2:
+                    p.normal_(0.0, 0.08)
+        model.to(getattr(torch, raw.get("torch_dtype", "bfloat16"))).save_pretrained(
+            tmp, safe_serialization=True)
+        for f in TOKENIZER_DIR.iterdir():
+            shutil.copy(f, tmp / f.name)
+
+    return build_once(root / f"{config_path.stem}-{_fingerprint(config_path)}", make)
