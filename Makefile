@@ -50,7 +50,7 @@ endif
 # docker/make-job.sh runs extract/sweep/verify (runner choice, DATASET/MODEL mapping).
 export RUNNER DATASET MODEL DIR VENV DOCKER COMPOSE MAKE
 
-.PHONY: help venv build image-test extract sweep verify test lint bench clean distclean lock-cpu lock-cuda
+.PHONY: help venv venv-train build image-test extract sweep verify test lint bench clean distclean lock-cpu lock-cuda
 
 help: ## this list
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F ':.*## ' '{printf "  %-10s %s\n", $$1, $$2}'
@@ -77,6 +77,20 @@ $(VENV)/.patched: $(VENV)/.installed $(PATCH_FILES) $(PATCH_PROGRAM)
 	@touch $@
 
 venv: $(VENV)/.patched ## create/update .venv (CPU env from the locks, project, patches)
+
+# $(TRAIN_VENV): speculators 0.9.0's trainer (transformers >= 5: it cannot share .venv).
+# pip, not uv: torch's CPU build comes from pip's find-links (this machine kind has the
+# wheel on disk); elsewhere set PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu. The tests use it to read `eagle3-export` output with 0.9.0's classes.
+TRAIN_VENV ?= .venv-train
+$(TRAIN_VENV)/.installed: requirements/train.lock requirements/train-nodeps.lock
+	@test -x $(TRAIN_VENV)/bin/python || $(PYTHON) -m venv $(TRAIN_VENV)
+	$(TRAIN_VENV)/bin/python -m pip install -q --require-hashes --no-deps -r requirements/train.lock
+	$(TRAIN_VENV)/bin/python -m pip install -q --require-hashes --no-deps \
+		-r requirements/train-nodeps.lock
+	$(TRAIN_VENV)/bin/python -c "import speculators.train.data, transformers; print('trainer env: speculators 0.9.0, transformers', transformers.__version__)"
+	@touch $@
+
+venv-train: $(TRAIN_VENV)/.installed ## create/update .venv-train (speculators 0.9.0 trainer)
 
 # --- image --------------------------------------------------------------------------------
 build: ## docker build the GPU image (IMAGE=eagle3-extract:latest, BUILD_ARGS=...)
@@ -109,7 +123,7 @@ verify: ## recompute samples of an extraction with the reference engine: DIR=...
 	@docker/make-job.sh verify $(ARGS)
 
 # --- checks -------------------------------------------------------------------------------
-test: venv ## the test suite in .venv (PYTEST_ARGS=...)
+test: venv venv-train ## the test suite in .venv (PYTEST_ARGS=...)
 	$(VPY) -m pytest -q tests $(PYTEST_ARGS)
 
 lint: $(VENV)/.installed ## hadolint, compose schema, shellcheck, ruff

@@ -70,20 +70,68 @@ def test_speculators_pt_targets_are_the_models_own_logits(smollm2, pt_run):
     assert control / total < 0.5  # the check fails on targets without the final norm
 
 
-def test_verify_checks_the_final_state_against_the_models_logits(smollm2, tmp_path):
+@pytest.fixture(scope="module")
+def st_run(smollm2, tmp_path_factory):
+    from eagle3_extract.job import run
+
+    out = tmp_path_factory.mktemp("smollm2") / "st"
+    run(compose_cfg("engine=vllm", "engine.distributed_executor_backend=uni",
+                    f"model.path={smollm2}", "model.max_model_len=1024",
+                    "engine.token_budget=2048", "dataset.max_samples=4", f"output.dir={out}"))
+    return out
+
+
+TARGETS_WITH_SPECULATORS_09 = """
+import sys
+import torch
+from speculators.train.data import ArrowDataset
+from transformers import AutoModelForCausalLM
+export, verifier = sys.argv[1], sys.argv[2]
+ds = ArrowDataset(max_len=4096, datapath=export, on_missing="raise")
+model = AutoModelForCausalLM.from_pretrained(verifier, dtype=torch.float32).eval()
+agree = total = 0
+with torch.no_grad():
+    for i in range(len(ds)):
+        item = ds._get_raw_data(i)
+        want = model(item["input_ids"][None]).logits[0]
+        # 0.9.0's targets: verifier_lm_head(verifier_norm(last)), both the verifier's own
+        got = model.lm_head(model.model.norm(item["verifier_last_hidden_states"].float()))
+        agree += int((got.argmax(-1) == want.argmax(-1)).sum())
+        total += len(want)
+print(f"AGREE {agree / total:.4f} {total}")
+"""
+
+
+def test_speculators_09_targets_from_the_export_are_the_models_own(smollm2, st_run, tmp_path):
+    import subprocess
+    from pathlib import Path
+
+    from eagle3_extract.export import main as export_main
+
+    train_py = Path(__file__).resolve().parents[1] / ".venv-train" / "bin" / "python"
+    assert export_main([str(st_run), str(tmp_path / "s09")]) == 0
+    r = subprocess.run([str(train_py), "-c", TARGETS_WITH_SPECULATORS_09, str(tmp_path / "s09"),
+                        str(smollm2)], capture_output=True, text=True, timeout=600,
+                       env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    share = float(r.stdout.split("AGREE ")[1].split()[0])
+    print("speculators 0.9.0 targets, argmax agreement", share)
+    assert share >= 0.99
+
+
+def test_verify_checks_the_final_state_against_the_models_logits(smollm2, st_run, tmp_path):
     """eagle3-verify on the real model: clean data passes its logits check; the same data
     with a post-norm final state (the norm applied twice by a trainer) fails it."""
+    import shutil
+
     from safetensors import safe_open
     from safetensors.torch import load_file, save_file
     from transformers import AutoModelForCausalLM
 
     from eagle3_extract import verify
-    from eagle3_extract.job import run
 
     out = tmp_path / "st"
-    run(compose_cfg("engine=vllm", "engine.distributed_executor_backend=uni",
-                    f"model.path={smollm2}", "model.max_model_len=1024",
-                    "engine.token_budget=2048", "dataset.max_samples=4", f"output.dir={out}"))
+    shutil.copytree(st_run, out)
     report = verify.verify(out, references=["hf"], samples=4)
     assert report["ok"], report["failures"]
     assert report["logits"]["argmax_agreement"] >= 0.97
@@ -146,3 +194,53 @@ def test_the_job_writes_the_draft_vocabulary(tmp_path, shards, monkeypatch):
         alone = tmp_path / "alone"
         run(compose_cfg(*common[:-1], f"output.dir={alone}"))
         assert json.loads((alone / "token_freq.json").read_text()) == freq
+
+
+READ_WITH_SPECULATORS_09 = """
+import sys, warnings
+import torch
+from safetensors.torch import load_file
+from speculators.train.data import ArrowDataset
+from importlib.metadata import version
+assert version("speculators") == "0.9.0", version("speculators")
+out, src = sys.argv[1], sys.argv[2:]
+ds = ArrowDataset(max_len=4096, datapath=out, on_missing="raise")
+assert len(ds) == len(src), (len(ds), len(src))
+with warnings.catch_warnings():
+    warnings.simplefilter("error")  # its token-id mismatch is only a warning
+    for i, path in enumerate(src):
+        item = ds._get_raw_data(i)
+        ours = load_file(path)
+        hs = ours["hidden_states"]
+        assert torch.equal(item["input_ids"], ours["input_ids"])
+        assert torch.equal(item["loss_mask"].to(torch.uint8), ours["loss_mask"])
+        assert torch.equal(item["hidden_states"], hs[:, :-1].flatten(1))
+        assert torch.equal(item["verifier_last_hidden_states"], hs[:, -1])
+print("read", len(ds), "rows with speculators", version("speculators"))
+"""
+
+
+def test_speculators_09_reads_the_export(tmp_path, monkeypatch):
+    """speculators 0.9.0's own ArrowDataset, in its own environment (.venv-train, made by
+    `make venv-train`), reads `eagle3-export` output: ids, masks, aux and final states."""
+    import subprocess
+    from pathlib import Path
+
+    from eagle3_extract.export import main as export_main
+    from eagle3_extract.job import run
+
+    train_py = Path(__file__).resolve().parents[1] / ".venv-train" / "bin" / "python"
+    assert train_py.exists(), "make venv-train builds the trainer's environment"
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    out = tmp_path / "run"
+    run(compose_cfg("engine=hf", "dataset.max_samples=5", "model.max_model_len=1024",
+                    "engine.token_budget=1024", f"output.dir={out}"))
+    assert export_main([str(out), str(tmp_path / "s09")]) == 0
+    assert (tmp_path / "s09" / "vocab" / "d2t.npy").exists()
+    src = [str(p) for p in sorted((out / "data").rglob("*.safetensors"))]
+    r = subprocess.run([str(train_py), "-c", READ_WITH_SPECULATORS_09, str(tmp_path / "s09"),
+                        *src], capture_output=True, text=True, timeout=600,
+                       env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "read 5 rows with speculators 0.9" in r.stdout
+    assert export_main([str(out), str(tmp_path / "s09")]) == 2  # never over an export

@@ -1,0 +1,105 @@
+"""`eagle3-export DIR OUT`: an extraction in the layout speculators 0.9.0's trainer reads.
+
+speculators >= 0.5 trains from an Arrow dataset (`datasets.load_from_disk(OUT)`, columns
+`input_ids`, `loss_mask`, `seq_len`, torch format) and one hidden-state file per row,
+`OUT/hidden_states/hs_<row>.safetensors` with `token_ids` [T] and `hidden_states`
+[T, L, H] (read through hs_connectors' FileTransfer). Its ArrowDataset skips a row
+whose `token_ids` differ from the row's `input_ids`; it takes the last layer as the
+verifier's final state, before the final norm (it applies the verifier's norm itself):
+exactly our id N. Rows follow the sample index; the draft vocabulary (vocab/) and a
+record of the source (export.json) go along.
+
+speculators 0.9.0 needs transformers >= 5, so it cannot share the vLLM 0.16
+environment: `make venv-train` builds its own (requirements/train*.lock).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from .layout import verified_files
+from .manifest import write_json_atomic
+from .token_freq import VOCAB_DIR
+from .validate import load_manifests, load_sample, states_tensor
+from .writer import save_safetensors
+
+FORMAT = "speculators-0.9"
+HS_DIR = "hidden_states"
+
+
+class ExportError(Exception):
+    pass
+
+
+def export(root: Path, out: Path) -> dict:
+    """Write OUT from the extraction in ROOT (complete, verified); return export.json."""
+    t0 = time.perf_counter()
+    manifests, problems = load_manifests(root)
+    if not manifests or any(m.status != "complete" for m in manifests):
+        why = problems[0].message if problems else "not every shard is complete"
+        raise ExportError(f"{root}: {why}; finish the extraction first (eagle3-status)")
+    fmt = str(manifests[0].config["output"]["format"])
+    whole, damaged = verified_files(root, fmt)
+    if damaged:
+        raise ExportError(f"{root}: {len(damaged)} sample files are not whole (e.g. index "
+                          f"{next(iter(damaged))}); rerun the extraction to redo them")
+    if out.exists() and any(out.iterdir()):
+        raise ExportError(f"{out} exists and is not empty: give a new directory")
+    import datasets
+
+    tmp = out.with_name(f".{out.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    (tmp / HS_DIR).mkdir(parents=True)
+    rows: dict[str, list] = {"input_ids": [], "loss_mask": [], "seq_len": [], "sample_index": []}
+    for row, index in enumerate(sorted(whole)):
+        tensors, _ = load_sample(Path(whole[index].path), fmt)
+        states = states_tensor(tensors["hidden_states"])
+        ids = tensors["input_ids"].to(torch.int64)
+        save_safetensors({"token_ids": ids, "hidden_states": states.contiguous()},
+                         tmp / HS_DIR / f"hs_{row}.safetensors", metadata={
+                             "sample_index": str(index),
+                             "layer_ids": json.dumps(manifests[0].layer_ids)})
+        rows["input_ids"].append(ids.tolist())
+        rows["loss_mask"].append(tensors["loss_mask"].to(torch.int64).tolist())
+        rows["seq_len"].append(len(ids))
+        rows["sample_index"].append(index)
+    ds = datasets.Dataset.from_dict(rows)
+    ds.set_format("torch")
+    ds.save_to_disk(str(tmp))
+    if (root / VOCAB_DIR).is_dir():
+        shutil.copytree(root / VOCAB_DIR, tmp / VOCAB_DIR)
+    record = {"format": FORMAT, "source": str(root), "run_id": manifests[0].run_id,
+              "layer_ids": manifests[0].layer_ids, "rows": len(whole),
+              "last_layer": "id N, before the final norm (the trainer applies the verifier's)",
+              "seconds": round(time.perf_counter() - t0, 3)}
+    write_json_atomic(tmp / "export.json", record)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if out.exists():
+        out.rmdir()
+    tmp.rename(out)
+    return record
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="eagle3-export", description=__doc__.splitlines()[0])
+    ap.add_argument("dir", type=Path, help="an extraction's output.dir")
+    ap.add_argument("out", type=Path, help="a new directory for the speculators 0.9.0 layout")
+    args = ap.parse_args(argv)
+    try:
+        rec = export(args.dir.resolve(), args.out.resolve())
+    except ExportError as e:
+        print(f"eagle3-export: error: {e}", file=sys.stderr)
+        return 2
+    print(f"eagle3-export: {rec['rows']} rows in {args.out} ({FORMAT}) in {rec['seconds']} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
