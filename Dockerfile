@@ -97,6 +97,27 @@ RUN --mount=type=cache,target=/root/.cache/uv \
     grep -q "^speculators==${SPECULATORS_VERSION} " requirements/cuda-nodeps.lock \
     && uv pip install --require-hashes --no-deps -r requirements/cuda-nodeps.lock
 
+# speculators 0.9.0's trainer in its own environment (it needs transformers >= 5, which
+# cannot share the vLLM 0.16 one): /opt/venv-train from requirements/train-cuda.lock, with
+# speculators and hs-connectors --no-deps (train-nodeps.lock; their torchvision/torchaudio
+# requirements are not imported by the training code). torch is /opt/venv's (CUDA, 2.9.1,
+# as speculators 0.9.0 allows), on the path after the trainer's own packages.
+COPY requirements/train-cuda.lock requirements/train-nodeps.lock requirements/
+RUN --mount=type=cache,target=/root/.cache/uv \
+    "python${PYTHON_VERSION}" -m venv /opt/venv-train \
+    && uv pip install --python /opt/venv-train/bin/python --require-hashes --no-deps \
+        -r requirements/train-cuda.lock \
+    && docker/lock-pick.sh requirements/train-nodeps.lock speculators hs-connectors \
+        > /tmp/train-nodeps.txt \
+    && uv pip install --python /opt/venv-train/bin/python --require-hashes --no-deps \
+        -r /tmp/train-nodeps.txt \
+    && rm /tmp/train-nodeps.txt \
+    && echo "/opt/venv/lib/python${PYTHON_VERSION}/site-packages" \
+        > "/opt/venv-train/lib/python${PYTHON_VERSION}/site-packages/zz-torch-of-opt-venv.pth" \
+    && ln -s /opt/venv-train/bin/speculators /usr/local/bin/speculators-0.9 \
+    && /opt/venv-train/bin/python -c "import speculators.train.data, transformers, torch; \
+print('trainer env: transformers', transformers.__version__, 'torch', torch.__version__)"
+
 # The project, in the repository layout (the Hydra conf/ directory is found relative to
 # the source tree), installed editable without dependencies.
 COPY pyproject.toml ./

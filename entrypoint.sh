@@ -18,6 +18,8 @@ subcommands:
   validate DIR             eagle3-validate: check the files and manifest of DIR
   status DIR               eagle3-status: progress of a (running) extraction in DIR
   patches                  eagle3-patches status, then eagle3-patches check
+  train [ARGS...]          speculators 0.9.0's trainer (its own environment):
+                           speculators train ARGS, e.g. --data-path an eagle3-export dir
   test [PYTEST ARGS]       run the test suite shipped in the image (python -m pytest)
   shell [BASH ARGS]        bash
   -h, --help               this text
@@ -91,6 +93,10 @@ case "$cmd" in
         shift
         root=${EAGLE3_HOME:-$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)}
         run python -m pytest -p no:cacheprovider "$root/tests" "$@"
+        ;;
+    train)
+        shift
+        run speculators-0.9 train "$@"
         ;;
     shell)
         shift

@@ -42,6 +42,8 @@ if run --entrypoint test "$IMAGE:latest" -d /opt/eagle3-extract/tests; then
     echo "the runtime image carries tests/" >&2; exit 1
 fi
 run --entrypoint test "$IMAGE:test" -f /opt/eagle3-extract/bench/run.py
+run "$IMAGE:latest" train --help | grep -q -- "--data-path" \
+    || { echo "the speculators 0.9.0 trainer does not start" >&2; exit 1; }
 
 step "the test suite inside the image (compose profile test)"
 compose=(-f docker-compose.yml)

@@ -18,7 +18,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 ENTRYPOINT = ROOT / "entrypoint.sh"
 STUBS = ("eagle3-extract", "eagle3-verify", "eagle3-validate", "eagle3-status",
-         "eagle3-patches", "python", "bash")
+         "eagle3-patches", "python", "bash", "speculators-0.9")
 
 STUB = f"""#!{sys.executable}
 import json, os, sys
@@ -167,7 +167,7 @@ def test_help(entry, flag):
     proc, out, _, calls = entry(flag)
     assert proc.returncode == 0 and calls == []
     assert out.startswith("usage:")
-    for sub in ("extract", "sweep", "verify", "validate", "status", "patches", "shell"):
+    for sub in ("extract", "sweep", "verify", "validate", "status", "patches", "train", "shell"):
         assert sub in out
 
 
@@ -190,3 +190,12 @@ def test_script_is_strict_and_execs():
     assert text.startswith("#!/usr/bin/env bash\n")
     assert "set -euo pipefail" in text
     assert os.access(ENTRYPOINT, os.X_OK)
+
+
+def test_train_runs_the_speculators_09_trainer(entry):
+    proc, _, _, calls = entry("train", "--data-path", "/data/outputs/x/export")
+    assert proc.returncode == 0
+    assert calls == [{"name": "speculators-0.9",
+                      "argv": ["train", "--data-path", "/data/outputs/x/export"]}] or (
+        calls[0]["name"] == "speculators-0.9"
+        and calls[0]["argv"][-3:] == ["train", "--data-path", "/data/outputs/x/export"])
