@@ -54,6 +54,13 @@ def rel_err(a, b):
     return (a - b).norm(dim=-1) / b.norm(dim=-1).clamp_min(1e-6)
 
 
+@pytest.fixture
+def offline(monkeypatch):
+    """No hub access, no output root from the environment: the job as a test needs it."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.delenv("EAGLE3_OUTPUT_ROOT", raising=False)
+
+
 @pytest.fixture(scope="session")
 def tiny_paths():
     from eagle3_extract.tiny import build_tiny_model

@@ -171,12 +171,6 @@ def test_rerun_resumes_nothing_and_refuses_a_different_config(hf_run):
     assert {p: p.stat().st_mtime_ns for p in data_files(out).values()} == before
 
 
-@pytest.fixture
-def offline(monkeypatch):
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.delenv("EAGLE3_OUTPUT_ROOT", raising=False)
-
-
 def no_template_tokenizer(tmp_path: Path) -> Path:
     d = tmp_path / "tok"
     shutil.copytree(ASSETS / "tokenizer", d)

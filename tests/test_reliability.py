@@ -19,12 +19,6 @@ BIN = Path(sys.executable).parent
 HF = ["engine=hf", *COMMON]
 
 
-@pytest.fixture
-def offline(monkeypatch):
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.delenv("EAGLE3_OUTPUT_ROOT", raising=False)
-
-
 @pytest.fixture(scope="module")
 def done_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("rel") / "out"

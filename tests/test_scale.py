@@ -82,12 +82,6 @@ def shards_of(report: dict, count: int) -> list[dict]:
     return next(p for p in report["partitions"] if p["count"] == count)["shards"]
 
 
-@pytest.fixture
-def offline(monkeypatch):
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.delenv("EAGLE3_OUTPUT_ROOT", raising=False)
-
-
 @pytest.fixture(scope="module")
 def hf_ref(tmp_path_factory):
     from eagle3_extract.job import run as extract
