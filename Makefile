@@ -86,7 +86,9 @@ $(TRAIN_VENV)/.installed: requirements/train.lock requirements/train-nodeps.lock
 	@test -x $(TRAIN_VENV)/bin/python || $(PYTHON) -m venv $(TRAIN_VENV)
 	$(TRAIN_VENV)/bin/python -m pip install -q --require-hashes --no-deps -r requirements/train.lock
 	$(TRAIN_VENV)/bin/python -m pip install -q --require-hashes --no-deps \
-		-r requirements/train-nodeps.lock
+		-r requirements/train-nodeps.lock \
+	|| $(TRAIN_VENV)/bin/python -m pip install -q --require-hashes --no-deps \
+		--extra-index-url $(TORCH_CPU_INDEX) -r requirements/train-nodeps.lock
 	$(TRAIN_VENV)/bin/python -c "import speculators.train.data, transformers; print('trainer env: speculators 0.9.0, transformers', transformers.__version__)"
 	@touch $@
 
