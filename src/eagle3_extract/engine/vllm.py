@@ -276,8 +276,9 @@ class VllmEngine:
 
     # --- one call -------------------------------------------------------------------
 
-    def _run(self, token_ids: list[list[int]], capture: bool) -> tuple[list[str], dict]:
-        """Schedule every prompt whole and step until all ran; return request ids."""
+    def _run(self, token_ids: list[list[int]], capture: bool) -> dict[str, int]:
+        """Schedule every prompt whole and step until all ran; {request id: prompt length}
+        in the order of `token_ids`."""
         from vllm.sampling_params import SamplingParams
         from vllm.v1.request import Request, RequestStatus
 
@@ -316,7 +317,7 @@ class VllmEngine:
                     raise RuntimeError(f"request {rid} scheduled {n} of {lens[rid]} tokens "
                                        "in one step; its hidden states would be truncated")
                 self.scheduler.finish_requests([rid], RequestStatus.FINISHED_ABORTED)
-        return list(lens), lens
+        return lens
 
     def prefill(self, batch: Batch) -> None:
         """The same scheduler steps with capture off (the benchmark's baseline)."""
@@ -324,13 +325,13 @@ class VllmEngine:
 
     def extract(self, batch: Batch) -> ExtractedBatch:
         t0 = time.perf_counter()
-        req_ids, lens = self._run([s.input_ids for s in batch.samples], capture=True)
+        lens = self._run([s.input_ids for s in batch.samples], capture=True)
         slot = self.host.acquire()
         release = _once(lambda: self.host.release(slot))
         try:
             replies = self.executor.collective_rpc("capture_flush", args=(slot,))
             steps, positions, finite = check_replies(replies, len(self.layer_ids))
-            spans = locate(steps, positions, lens, req_ids)
+            spans = locate(steps, positions, lens, list(lens))
             bad = [batch.samples[i].index for i, (first, n) in enumerate(spans)
                    if not finite[first:first + n].all()]
             if bad:
