@@ -42,8 +42,10 @@ if run --entrypoint test "$IMAGE:latest" -d /opt/eagle3-extract/tests; then
     echo "the runtime image carries tests/" >&2; exit 1
 fi
 run --entrypoint test "$IMAGE:test" -f /opt/eagle3-extract/bench/run.py
-run "$IMAGE:latest" train --help | grep -q -- "--data-path" \
-    || { echo "the speculators 0.9.0 trainer does not start" >&2; exit 1; }
+# Captured first: grep -q closing the pipe early would fail the run under pipefail.
+train_help=$(run "$IMAGE:latest" train --help 2>&1) || true
+grep -q -- "--data-path" <<<"$train_help" \
+    || { echo "the speculators 0.9.0 trainer does not start: ${train_help##*$'\n'}" >&2; exit 1; }
 
 step "the test suite inside the image (compose profile test)"
 compose=(-f docker-compose.yml)
