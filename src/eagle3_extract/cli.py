@@ -10,6 +10,7 @@ import logging
 import os
 import signal
 import sys
+from typing import Any
 
 from omegaconf import DictConfig
 
@@ -76,7 +77,8 @@ def overrides_of(argv: list[str]) -> list[str] | None:
     return out
 
 
-def config_problem(overrides: list[str]) -> str | None:
+def config_problem(overrides: list[str], config_name: str = "config",
+                   prog: str = "eagle3-extract") -> str | None:
     """What is wrong with the overrides, in one line, or None.
 
     Composes the config once as Hydra will (a sweep with its first value of each
@@ -113,13 +115,13 @@ def config_problem(overrides: list[str]) -> str | None:
             added.append(key)
     try:
         with initialize_config_dir(str(conf_dir()), version_base="1.3"):
-            cfg = compose("config", overrides=first)
+            cfg = compose(config_name, overrides=first)
     except (HydraException, OmegaConfBaseException) as e:
         cause = e.__cause__ if e.__cause__ is not None else e
         msg = " ".join(str(cause).split("\n")[0].split())
         key = getattr(cause, "full_key", None)
         where = f"{key}: " if key and key not in msg else ""
-        return f"{where}{msg} (see the keys with: eagle3-extract --cfg job)"
+        return f"{where}{msg} (see the keys with: {prog} --cfg job)"
     for key in added:
         parent, _, leaf = key.rpartition(".")
         node = OmegaConf.select(cfg, parent) if parent else cfg
@@ -131,17 +133,22 @@ def config_problem(overrides: list[str]) -> str | None:
     return None
 
 
-def extract_main() -> None:
-    """Console script `eagle3-extract` (Hydra: overrides, -m sweeps, --cfg job, ...)."""
+def hydra_main(config_name: str, prog: str, task: Any) -> None:
+    """A Hydra main over conf/<config_name>.yaml whose config errors are one line, exit 2."""
     import hydra
 
     overrides = overrides_of(sys.argv[1:])
     if overrides is not None:
-        problem = config_problem(overrides)
+        problem = config_problem(overrides, config_name, prog)
         if problem:
-            print(f"eagle3-extract: error: {problem}", file=sys.stderr, flush=True)
+            print(f"{prog}: error: {problem}", file=sys.stderr, flush=True)
             sys.exit(2)
-    hydra.main(config_path=str(conf_dir()), config_name="config", version_base="1.3")(_task)()
+    hydra.main(config_path=str(conf_dir()), config_name=config_name, version_base="1.3")(task)()
+
+
+def extract_main() -> None:
+    """Console script `eagle3-extract` (Hydra: overrides, -m sweeps, --cfg job, ...)."""
+    hydra_main("config", "eagle3-extract", _task)
 
 
 if __name__ == "__main__":

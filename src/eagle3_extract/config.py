@@ -27,6 +27,9 @@ OVERLONG_POLICIES = ("truncate", "skip")
 OUTPUT_FORMATS = ("safetensors", "speculators_pt")
 ENGINES = ("vllm", "hf")
 DATASET_FORMATS = ("auto", "jsonl", "json", "parquet", "hub")
+TURN_MODES = ("all", "last")
+REASONING_MODES = ("keep", "drop")
+MAX_TOKENS_POLICIES = ("drop", "keep")
 
 
 
@@ -45,6 +48,9 @@ class ModelConfig:
     quantization: Optional[str] = None
     tiny_config: Optional[str] = None  # only for path: tiny (a name in assets/tiny or a path)
     load_format: Optional[str] = None  # vLLM load_format (e.g. "dummy" for smoke tests)
+    # vLLM's name of the model's reasoning format (kimi_k2, qwen3, deepseek_r1, ...): how
+    # eagle3-regenerate splits a generated thinking block into reasoning_content
+    reasoning_parser: Optional[str] = None
 
 
 @dataclass
@@ -104,6 +110,39 @@ class ShardConfig:
 @dataclass
 class ParallelConfig:
     data_parallel_size: int = 1
+
+
+@dataclass
+class GenerateConfig:
+    """eagle3-regenerate: how the target writes the answers (vLLM SamplingParams)."""
+
+    name: str = MISSING
+    temperature: float = 0.0  # 0: greedy
+    top_p: float = 1.0
+    max_tokens: int = 1024  # per turn, and never past model.max_model_len
+    seed: int = 0  # per request: seed + a hash of (sample index, turn), batching-independent
+    turns: str = "all"  # all: every assistant turn, each on the regenerated history; last
+    reasoning: str = "keep"  # keep: reasoning_content stays in the data; drop: content only
+    on_max_tokens: str = "drop"  # a turn cut by max_tokens: drop the sample, or keep it
+    chunk_samples: int = 256  # samples per part file (the unit of resume)
+
+
+@dataclass
+class RegenerateOutputConfig:
+    dir: str = MISSING
+
+
+@dataclass
+class RegenerateConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    dataset: DatasetConfig = field(default_factory=DatasetConfig)
+    generate: GenerateConfig = field(default_factory=GenerateConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    output: RegenerateOutputConfig = field(default_factory=RegenerateOutputConfig)
+    shard: ShardConfig = field(default_factory=ShardConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    dry_run: bool = False
+    verbose: bool = False
 
 
 @dataclass
@@ -178,6 +217,7 @@ def register() -> None:
         if not OmegaConf.has_resolver(name):
             OmegaConf.register_new_resolver(name, fn)
     ConfigStore.instance().store(name="eagle3_schema", node=Config)
+    ConfigStore.instance().store(name="eagle3_regenerate_schema", node=RegenerateConfig)
 
 
 register()
@@ -226,6 +266,35 @@ def validate(cfg: Any) -> None:
                 f"dataset.max_length={cfg.dataset.max_length} must be in 1..{limit} "
                 f"(model.max_model_len - 1: vLLM needs len(prompt) + 1 <= max_model_len)"
             )
+    if not str(cfg.output.dir).strip():
+        raise ConfigError("output.dir is empty")
+
+
+def validate_regenerate(cfg: Any) -> None:
+    """Value checks of an eagle3-regenerate config. Raises ConfigError."""
+    g = cfg.generate
+    _choice("generate.turns", g.turns, TURN_MODES)
+    _choice("generate.reasoning", g.reasoning, REASONING_MODES)
+    _choice("generate.on_max_tokens", g.on_max_tokens, MAX_TOKENS_POLICIES)
+    _choice("dataset.format", cfg.dataset.format, DATASET_FORMATS)
+    if str(cfg.engine.name) != "vllm":
+        raise ConfigError(f"engine={cfg.engine.name}: eagle3-regenerate generates with vLLM; "
+                          "use engine=vllm")
+    _positive("generate.max_tokens", g.max_tokens)
+    _positive("generate.chunk_samples", g.chunk_samples)
+    _positive("model.max_model_len", cfg.model.max_model_len, 2)
+    _positive("engine.token_budget", cfg.engine.token_budget)
+    _positive("engine.max_num_seqs", cfg.engine.max_num_seqs)
+    _positive("shard.count", cfg.shard.count)
+    _positive("parallel.data_parallel_size", cfg.parallel.data_parallel_size)
+    if cfg.dataset.max_samples is not None:
+        _positive("dataset.max_samples", cfg.dataset.max_samples)
+    if not 0.0 <= float(g.temperature) <= 10.0:
+        raise ConfigError(f"generate.temperature={g.temperature} must be in 0..10")
+    if not 0.0 < float(g.top_p) <= 1.0:
+        raise ConfigError(f"generate.top_p={g.top_p} must be in (0, 1]")
+    if not 0 <= cfg.shard.index < cfg.shard.count:
+        raise ConfigError(f"shard.index={cfg.shard.index} must be in 0..shard.count-1")
     if not str(cfg.output.dir).strip():
         raise ConfigError("output.dir is empty")
 

@@ -43,6 +43,9 @@ ROLES = {
 # (`reasoning` and `thinking` are other datasets' names for `reasoning_content`.)
 REASONING_KEYS = ("reasoning_content", "reasoning", "thinking")
 TOOL_KEYS = ("tool_calls", "tool_call_id", "name")
+# OpenAI fine-tuning's per-message `weight`: an assistant turn with weight 0 is context,
+# rendered but not in the loss mask (eagle3-regenerate marks turns the target did not write).
+WEIGHT_KEY = "weight"
 COMPRESSED = {".gz": "gzip", ".zst": "zstd"}
 BOM = b"\xef\xbb\xbf"
 
@@ -252,7 +255,7 @@ def _text(content: Any) -> str:
     raise SkipRow("bad_content", f"content of type {type(content).__name__}")
 
 
-def to_messages(row: Any) -> list[dict[str, Any]]:
+def to_messages(row: Any, need_assistant: bool = True) -> list[dict[str, Any]]:
     """Normalise one row to chat-template messages: roles system/user/assistant/tool.
 
     Besides `content`, what a chat template renders is kept as it is: an assistant
@@ -289,13 +292,41 @@ def to_messages(row: Any) -> list[dict[str, Any]]:
         for key in TOOL_KEYS:
             if turn.get(key) is not None:
                 message[key] = turn[key]
+        if role == "assistant" and turn.get(WEIGHT_KEY) is not None:
+            if turn[WEIGHT_KEY] not in (0, 1):
+                raise SkipRow("bad_row", f"weight {turn[WEIGHT_KEY]!r} is not 0 or 1")
+            message[WEIGHT_KEY] = int(turn[WEIGHT_KEY])
         if content is None and not message.get("tool_calls"):
             raise SkipRow("bad_content", "turn without content")
         message["content"] = "" if content is None else _text(content)
         messages.append(message)
-    if not any(m["role"] == "assistant" for m in messages):
+    if need_assistant and not any(m["role"] == "assistant" for m in messages):
         raise SkipRow("no_assistant_turn")
     return messages
+
+
+# Where eagle3-regenerate records, per row, what the model generated (regenerate.py).
+GENERATED_KEY = "eagle3_regenerate"
+# How a generated turn comes back through the chat template (Renderer.splice_generated).
+REGENERATED_TURNS = ("exact", "retokenized", "template_drift")
+
+
+def generated_turns(row: Any) -> dict[int, tuple[list[int], bool]] | None:
+    """message position -> (generated ids, cut by max_tokens) of a regenerated row."""
+    meta = row.get(GENERATED_KEY) if isinstance(row, dict) else None
+    if not isinstance(meta, dict) or not isinstance(meta.get("turns"), list):
+        return None
+    out = {}
+    for t in meta["turns"]:
+        if isinstance(t, dict) and isinstance(t.get("token_ids"), list) and "position" in t:
+            out[int(t["position"])] = ([int(i) for i in t["token_ids"]],
+                                       t.get("finish") == "length")
+    return out or None
+
+
+def trained(message: dict[str, Any]) -> bool:
+    """An assistant turn that is in the loss mask (not one marked weight 0)."""
+    return message["role"] == "assistant" and message.get(WEIGHT_KEY, 1) != 0
 
 
 # --- messages -> tokens + loss mask ---------------------------------------------------
@@ -328,7 +359,7 @@ class Renderer:
         )
 
     def assistant_spans(self, messages: list[dict[str, str]], full: str) -> list[tuple[int, int]]:
-        """Character spans of each assistant turn in `full`: content + end-of-turn token.
+        """Character spans of each trained assistant turn in `full`: content + end-of-turn.
 
         Start: the length of the conversation before the turn rendered with the
         generation prompt (what a server feeds the model before it generates).
@@ -339,7 +370,7 @@ class Renderer:
         """
         spans: list[tuple[int, int]] = []
         for i, m in enumerate(messages):
-            if m["role"] != "assistant":
+            if not trained(m):
                 continue
             start = self._turn_start(messages, i, full)
             upto = self.render(messages[: i + 1], False)
@@ -401,8 +432,13 @@ class Renderer:
                     break
         return notes
 
-    def tokenize_with_notes(self, messages: list[dict[str, Any]]
+    def tokenize_with_notes(self, messages: list[dict[str, Any]],
+                            generated: dict[int, tuple[list[int], bool]] | None = None,
                             ) -> tuple[list[int], list[int], list[str]]:
+        """Ids, loss mask, and what the template left out (`not_rendered`). With
+        `generated` (message position -> (ids the model generated, cut by max_tokens)),
+        those turns carry the generated ids (`splice_generated`); the notes then also
+        say how each such turn came back: "exact", "retokenized" or "template_drift"."""
         try:
             full = self.render(messages, False)
             spans = self.assistant_spans(messages, full)
@@ -411,24 +447,68 @@ class Renderer:
         except Exception as e:  # noqa: BLE001 - a template may raise anything (jinja, ...)
             raise SkipRow("template_error", f"{type(e).__name__}: {e}") from e
         notes = self.not_rendered(messages, full)
-        ids, mask = self._ids_and_mask(full, spans)
+        ids, ranges = self._ids_and_ranges(full, spans)
+        if generated:
+            positions = [i for i, m in enumerate(messages) if trained(m)]
+            ids, ranges, kinds = self.splice_generated(ids, ranges, positions, generated)
+            notes += kinds
+        mask = [0] * len(ids)
+        for a, b in ranges:
+            mask[a:b] = [1] * (b - a)
         return ids, mask, notes
 
-    def _ids_and_mask(self, full: str, spans: list[tuple[int, int]]) -> tuple[list[int], list[int]]:
+    def splice_generated(self, ids: list[int], ranges: list[tuple[int, int]],
+                         positions: list[int], generated: dict[int, tuple[list[int], bool]]
+                         ) -> tuple[list[int], list[tuple[int, int]], list[str]]:
+        """Put back the ids the model generated where re-tokenizing its text gave other
+        ids for the same text ("retokenized": byte-level tokens, non-canonical merges).
+        Where the template renders other text than was generated ("template_drift",
+        e.g. a template that drops the reasoning of earlier turns), the render stands:
+        the row is used as its chat template renders it. A turn cut by max_tokens keeps
+        the template's end-of-turn token after the generated ids."""
+        out: list[int] = []
+        new_ranges: list[tuple[int, int]] = []
+        kinds: list[str] = []
+        last = 0
+        for (a, b), pos in zip(ranges, positions):
+            out += ids[last:a]
+            rendered = ids[a:b]
+            turn = rendered
+            if pos in generated:
+                gen, cut = generated[pos]
+                want = list(gen) + (rendered[-1:] if cut and rendered else [])
+                if want == rendered:
+                    kinds.append("exact")
+                elif self._text(want) == self._text(rendered):
+                    kinds.append("retokenized")
+                    turn = want
+                else:
+                    kinds.append("template_drift")
+            new_ranges.append((len(out), len(out) + len(turn)))
+            out += turn
+            last = b
+        return out + ids[last:], new_ranges, kinds
+
+    def _text(self, ids: list[int]) -> str:
+        return self.tok.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+    def _ids_and_ranges(self, full: str, spans: list[tuple[int, int]]
+                        ) -> tuple[list[int], list[tuple[int, int]]]:
         if self.fast:
             enc = self.tok(full, add_special_tokens=False, return_offsets_mapping=True)
             ids = list(enc["input_ids"])
             starts = np.array([a for a, _ in enc["offset_mapping"]], dtype=np.int64)
-            mask = np.zeros(len(ids), dtype=np.uint8)
+            ranges = []
             for s, e in spans:
-                mask[(starts >= s) & (starts < e)] = 1
-            return ids, mask.tolist()
+                inside = np.flatnonzero((starts >= s) & (starts < e))
+                a = int(inside[0]) if len(inside) else int(np.searchsorted(starts, s))
+                ranges.append((a, int(inside[-1]) + 1 if len(inside) else a))
+            return ids, ranges
         # Slow tokenizers have no offsets: tokenize each prefix. Its last pre-token can
         # merge differently at the end of a string ("\n\n" vs "\n", "\n" before text), so
         # after the common prefix, take the tokens of the whole whose text is exactly the
         # prefix's remaining text; if there are none, the boundary is inside a token.
         ids = self.tok(full, add_special_tokens=False)["input_ids"]
-        mask = [0] * len(ids)
 
         def boundary(pos: int) -> int:
             head = self.tok(full[:pos], add_special_tokens=False)["input_ids"]
@@ -446,10 +526,7 @@ class Renderer:
                     break
             raise SkipRow("mask_alignment", f"char {pos} is not a token boundary")
 
-        for s, e in spans:
-            a, b = boundary(s), boundary(e)
-            mask[a:b] = [1] * (b - a)
-        return ids, mask
+        return ids, [(boundary(s), boundary(e)) for s, e in spans]
 
 
 # --- the whole dataset ----------------------------------------------------------------
@@ -528,13 +605,15 @@ def _tokenize_span(rows: list[Any], order: list[int], start: int, stop: int,
     """Samples start..stop-1 of the order: arrays of the usable ones, counts of the rest."""
     skipped: Counter[str] = Counter()
     not_rendered: Counter[str] = Counter()
+    regenerated: Counter[str] = Counter()
     examples: list[dict[str, Any]] = []
     indices, lengths, truncated = [], [], []
     id_chunks, mask_chunks = [], []
     for index in range(start, stop):
         row_no = order[index]
         try:
-            ids, mask, notes = renderer.tokenize_with_notes(to_messages(rows[row_no]))
+            row = rows[row_no]
+            ids, mask, notes = renderer.tokenize_with_notes(to_messages(row), generated_turns(row))
             cut = len(ids) > max_length
             if cut:
                 if overlong == "skip":
@@ -548,7 +627,8 @@ def _tokenize_span(rows: list[Any], order: list[int], start: int, stop: int,
                 examples.append({"index": index, "row": row_no, "reason": e.reason,
                                  "detail": e.detail[:200]})
             continue
-        not_rendered.update(set(notes))
+        not_rendered.update(set(n for n in notes if n not in REGENERATED_TURNS))
+        regenerated.update(n for n in notes if n in REGENERATED_TURNS)
         indices.append(index)
         lengths.append(len(ids))
         truncated.append(cut)
@@ -562,6 +642,7 @@ def _tokenize_span(rows: list[Any], order: list[int], start: int, stop: int,
         "mask": np.concatenate(mask_chunks) if mask_chunks else np.zeros(0, dtype=np.uint8),
         "skipped": skipped,
         "not_rendered": not_rendered,
+        "regenerated": regenerated,
         "examples": examples,
     }
 
@@ -608,10 +689,12 @@ def tokenize_rows(
             _FORKED = None
     skipped: Counter[str] = Counter({r: 0 for r in SKIP_REASONS})
     not_rendered: Counter[str] = Counter({"reasoning_content": 0, "tool_calls": 0})
+    regenerated: Counter[str] = Counter({k: 0 for k in REGENERATED_TURNS})
     examples: list[dict[str, Any]] = []
     for p in parts:
         skipped.update(p["skipped"])
         not_rendered.update(p["not_rendered"])
+        regenerated.update(p["regenerated"])
         examples += p["examples"][: max(0, 20 - len(examples))]
     lengths = np.concatenate([p["lengths"] for p in parts])
     offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
@@ -628,6 +711,8 @@ def tokenize_rows(
         "skipped_examples": examples,
         # used rows whose reasoning or tool calls the chat template does not render
         "not_rendered": dict(not_rendered),
+        # turns of eagle3-regenerate rows: how their generated ids came back (data.py)
+        "regenerated_turns": dict(regenerated),
         "truncated": int(truncated.sum()),
         "tokens": int(offsets[-1]),
         "loss_tokens": int(mask_flat.sum()),

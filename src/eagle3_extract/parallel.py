@@ -246,14 +246,38 @@ def launch(cfg: Any, overrides: list[str], log_root: Path) -> int:
         plan.close()  # the job's shard lock: the replicas' locks nest inside it
 
 
+def launch_regenerate(cfg: Any, overrides: list[str], log_root: Path) -> int:
+    """`launch` for eagle3-regenerate: preflight once, then one replica per shard; the
+    last replica to finish assembles conversations.jsonl."""
+    from . import regenerate
+
+    t0 = time.perf_counter()
+    regenerate.validate_regenerate(cfg)
+    replicas = plan_replicas(cfg, log_root)
+    plan = regenerate.preflight(cfg)
+    try:
+        return _run_replicas(cfg, overrides, replicas, plan.root, t0,
+                             module="eagle3_extract.regenerate",
+                             progress=lambda root, reps: f"{len(reps)} replicas running",
+                             summary=lambda root, reps, wall: log.info(
+                                 "done: %d replicas in %.1fs; %s", len(reps), wall,
+                                 root / regenerate.CONVERSATIONS))
+    finally:
+        if plan.lock is not None:
+            plan.lock.release()
+
+
 def _run_replicas(cfg: Any, overrides: list[str], replicas: list[Replica], root: Path,
-                  t0: float) -> int:
+                  t0: float, module: str = "eagle3_extract.cli", progress: Any = None,
+                  summary: Any = None) -> int:
+    progress = progress or _progress_line
+    summary = summary or _summary
     n = len(replicas)
     stopper = _Stopper(replicas)
     try:
         for r in replicas:
             r.log_dir.mkdir(parents=True, exist_ok=True)
-            cmd = [sys.executable, "-m", "eagle3_extract.cli",
+            cmd = [sys.executable, "-m", module,
                    *replica_overrides(overrides, r.shard, root, r.log_dir)]
             with open(r.console, "wb") as out:
                 r.proc = subprocess.Popen(cmd, env=r.env, stdout=out, stderr=subprocess.STDOUT,
@@ -277,7 +301,7 @@ def _run_replicas(cfg: Any, overrides: list[str], replicas: list[Replica], root:
                         log.error("replica %d console, last lines:\n%s", r.rank, _tail(r.console))
             if time.monotonic() - last > PROGRESS_EVERY_S:
                 last = time.monotonic()
-                log.info("progress: %s", _progress_line(root, replicas))
+                log.info("progress: %s", progress(root, replicas))
     finally:
         if any(r.proc is not None and r.proc.poll() is None for r in replicas):
             stopper.kill()  # only after an exception in this loop
@@ -286,17 +310,17 @@ def _run_replicas(cfg: Any, overrides: list[str], replicas: list[Replica], root:
                 r.proc.wait()
         stopper.restore()
     failed = [r.rank for r in replicas if r.rc != 0]
-    summary = _progress_line(root, replicas)
+    line = progress(root, replicas)
     if stopper.signum is not None:
-        log.error("stopped by signal %d: %s", stopper.signum, summary)
+        log.error("stopped by signal %d: %s", stopper.signum, line)
         return 128 + stopper.signum
     if failed:
-        log.error("replicas %s failed (rerun the same command to resume): %s", failed, summary)
+        log.error("replicas %s failed (rerun the same command to resume): %s", failed, line)
         return 1
     if bool(cfg.dry_run):
         log.info("dry_run: %d replicas passed preflight in %.1fs", n, time.perf_counter() - t0)
         return 0
-    _summary(root, replicas, time.perf_counter() - t0)
+    summary(root, replicas, time.perf_counter() - t0)
     return 0
 
 
@@ -316,12 +340,13 @@ def _summary(root: Path, replicas: list[Replica], wall_s: float) -> None:
     )
 
 
-def launch_hydra_job(cfg: Any) -> int:
-    """`launch` from inside a Hydra job: its overrides and its log dir."""
+def launch_hydra_job(cfg: Any, regenerate: bool = False) -> int:
+    """`launch` (or `launch_regenerate`) from inside a Hydra job: its overrides, its log dir."""
     from hydra.core.hydra_config import HydraConfig
 
     hc = HydraConfig.get()
-    return launch(cfg, list(hc.overrides.task), Path(hc.runtime.output_dir))
+    how = launch_regenerate if regenerate else launch
+    return how(cfg, list(hc.overrides.task), Path(hc.runtime.output_dir))
 
 
 def die_with_launcher() -> None:

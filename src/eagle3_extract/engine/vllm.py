@@ -55,8 +55,9 @@ OWN_KEYS = {
 }
 
 
-def engine_args(cfg: Any, info: ModelInfo) -> dict[str, Any]:
-    """The EngineArgs fields of a job, as vLLM spells them."""
+def model_args(cfg: Any, info: ModelInfo) -> dict[str, Any]:
+    """The EngineArgs fields our model and engine keys set, as vLLM spells them: one
+    definition for extraction and regeneration (same model, TP/PP, limits)."""
     m, e = cfg.model, cfg.engine
     args: dict[str, Any] = {
         "model": info.path,
@@ -68,8 +69,7 @@ def engine_args(cfg: Any, info: ModelInfo) -> dict[str, Any]:
         "tensor_parallel_size": int(m.tensor_parallel_size),
         "pipeline_parallel_size": int(m.pipeline_parallel_size),
         "max_num_seqs": int(e.max_num_seqs),
-        # Without chunked prefill a step must fit a whole prompt.
-        "max_num_batched_tokens": max(int(e.token_budget), int(m.max_model_len)),
+        "max_num_batched_tokens": int(e.token_budget),
         "enforce_eager": bool(e.enforce_eager),
         "seed": 0,
         "use_tqdm_on_load": bool(getattr(cfg, "verbose", False)),
@@ -88,12 +88,20 @@ def engine_args(cfg: Any, info: ModelInfo) -> dict[str, Any]:
         # (non-neox) rope, which DeepseekV2/V3 use: 38% relative error at layer 1 vs
         # HF, 4e-7 with the native torch ops.
         args["compilation_config"] = {"custom_ops": ["none"]}
+    return args
+
+
+def engine_args(cfg: Any, info: ModelInfo) -> dict[str, Any]:
+    """The EngineArgs of an extraction job: the model's, the user's, then FIXED_ARGS."""
+    args = model_args(cfg, info)
+    # Without chunked prefill a step must fit a whole prompt.
+    args["max_num_batched_tokens"] = max(args["max_num_batched_tokens"], args["max_model_len"])
     args.update(check_vllm_args(cfg))
     args.update(FIXED_ARGS)
     return args
 
 
-def check_vllm_args(cfg: Any) -> dict[str, Any]:
+def check_vllm_args(cfg: Any, fixed: dict[str, Any] = FIXED_ARGS) -> dict[str, Any]:
     """`engine.vllm_args` as plain values, keys checked against vLLM's EngineArgs.
 
     Raises ConfigError naming the key: a typo must fail in preflight, not after
@@ -113,9 +121,9 @@ def check_vllm_args(cfg: Any) -> dict[str, Any]:
     for key, value in args.items():
         if key in OWN_KEYS:
             raise ConfigError(f"engine.vllm_args.{key}: set {OWN_KEYS[key]} instead")
-        if key in FIXED_ARGS and value != FIXED_ARGS[key]:
+        if key in fixed and value != fixed[key]:
             raise ConfigError(f"engine.vllm_args.{key}={value!r} is not supported: the "
-                              f"driver needs {FIXED_ARGS[key]!r} (docs/engine.md)")
+                              f"driver needs {fixed[key]!r} (docs/engine.md)")
         if key not in fields:
             near = difflib.get_close_matches(key, fields, n=1)
             hint = f" (did you mean {near[0]}?)" if near else ""
