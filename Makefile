@@ -50,7 +50,7 @@ endif
 # docker/make-job.sh runs extract/sweep/verify (runner choice, DATASET/MODEL mapping).
 export RUNNER DATASET MODEL DIR VENV DOCKER COMPOSE MAKE
 
-.PHONY: help venv venv-train build image-test extract sweep verify test lint bench clean distclean lock-cpu lock-cuda
+.PHONY: help venv venv-train build image-test extract regenerate pipeline sweep verify test lint bench clean distclean lock-cpu lock-cuda
 
 help: ## this list
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F ':.*## ' '{printf "  %-10s %s\n", $$1, $$2}'
@@ -117,6 +117,19 @@ image-test: ## build the image on a stand-in base, test inside it (root; CI runs
 # --- jobs ---------------------------------------------------------------------------------
 extract: ## run an extraction: DATASET=name|file MODEL=name ARGS="hydra overrides"
 	@docker/make-job.sh extract $(ARGS)
+
+regenerate: ## the target's own answers (eagle3-regenerate): DATASET MODEL ARGS as for extract
+	@docker/make-job.sh regenerate $(ARGS)
+
+# The two-step pipeline: regenerate into outputs/regenerated/$(PIPELINE), then extract from
+# its conversations.jsonl. REGEN_ARGS go to eagle3-regenerate, ARGS to eagle3-extract.
+REGEN_ARGS ?=
+PIPELINE ?= $(or $(MODEL),default)-$(or $(basename $(notdir $(DATASET))),sample)
+pipeline: ## regenerate, then extract on its output: DATASET MODEL REGEN_ARGS ARGS
+	@docker/make-job.sh regenerate \
+		'output.dir=$${oc.env:EAGLE3_OUTPUT_ROOT,outputs}/regenerated/$(PIPELINE)' $(REGEN_ARGS)
+	@DATASET=$(EAGLE3_HOST_OUTPUTS)/regenerated/$(PIPELINE)/conversations.jsonl \
+		docker/make-job.sh extract $(ARGS)
 
 sweep: ## Hydra multirun (eagle3-extract -m): same variables as extract
 	@docker/make-job.sh sweep $(ARGS)

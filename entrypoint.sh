@@ -13,6 +13,7 @@ usage: entrypoint.sh [SUBCOMMAND] [ARGS...]
 
 subcommands:
   extract [OVERRIDES...]   run the extraction (default): eagle3-extract OVERRIDES
+  regenerate [OVERRIDES]   the target's own answers first: eagle3-regenerate OVERRIDES
   sweep [OVERRIDES...]     Hydra multirun: eagle3-extract -m OVERRIDES
   verify DIR [OVERRIDES]   eagle3-verify: recompute samples of DIR with the reference engine
   validate DIR             eagle3-validate: check the files and manifest of DIR
@@ -67,6 +68,10 @@ case "$cmd" in
     sweep)
         shift
         run eagle3-extract -m "$@"
+        ;;
+    regenerate)
+        shift
+        run eagle3-regenerate "$@"
         ;;
     verify)
         shift

@@ -3,7 +3,7 @@
 # through docker compose when a Docker daemon answers and `nvidia-smi` works, else in the
 # local virtual environment (created first with `make venv`).
 #
-#   docker/make-job.sh extract|sweep|verify [HYDRA OVERRIDES...]
+#   docker/make-job.sh extract|regenerate|sweep|verify [HYDRA OVERRIDES...]
 #
 # Environment (the Makefile exports it):
 #   RUNNER   auto (default) | docker | local
@@ -16,7 +16,7 @@
 set -euo pipefail
 
 usage() {
-    echo "usage: $0 extract|sweep|verify [HYDRA OVERRIDES...]" >&2
+    echo "usage: $0 extract|regenerate|sweep|verify [HYDRA OVERRIDES...]" >&2
     exit 2
 }
 [[ $# -ge 1 ]] || usage
@@ -24,7 +24,7 @@ job=$1
 shift
 
 case "$job" in
-    extract | sweep) ;;
+    extract | regenerate | sweep) ;;
     verify)
         if [[ -z "${DIR:-}" ]]; then
             echo 'usage: make verify DIR=<extraction dir> [ARGS="overrides"]' >&2
@@ -94,6 +94,9 @@ if [[ $in_image -eq 1 ]]; then
         extract)
             cmd=("${compose[@]}" run --rm "${mounts[@]}" extract extract)
             ;;
+        regenerate)
+            cmd=("${compose[@]}" run --rm "${mounts[@]}" regenerate regenerate)
+            ;;
         sweep)
             cmd=("${compose[@]}" --profile sweep run --rm "${mounts[@]}" sweep sweep)
             ;;
@@ -106,6 +109,7 @@ else
     "${MAKE:-make}" --no-print-directory venv VENV="$venv"
     case "$job" in
         extract) cmd=("$venv/bin/eagle3-extract") ;;
+        regenerate) cmd=("$venv/bin/eagle3-regenerate") ;;
         sweep) cmd=("$venv/bin/eagle3-extract" -m) ;;
         verify) cmd=("$venv/bin/eagle3-verify" "$DIR") ;;
     esac

