@@ -5,7 +5,7 @@
 # after step A of that kit (`bash .gpu-bundle/install-on-device.sh .gpu-bundle A`), carrying
 # .gpu-bundle/{whlB,vllm016-py.zip,install-on-device.sh} and whlC (hydra-core 1.3.2,
 # omegaconf 2.3.0, antlr4-python3-runtime 4.9.3: eagle3_extract.config imports them):
-#   bash bench/h200.sh [all|vllm|hf|profile]      # figures and logs go to $OUT
+#   bash bench/h200.sh [all|vllm|hf|profile|regen]      # figures and logs go to $OUT
 set -uo pipefail
 what=${1:-all}
 OUT=${OUT:-/tmp/bench-results}
@@ -35,6 +35,21 @@ if [[ $what == all || $what == vllm ]]; then
     --vllm-args "$vllm_args" --out "$OUT/vllm.json" > "$OUT/vllm.log" 2>&1
   echo "vllm rc=$?"
   grep -v '^(Worker' "$OUT/vllm.log" | grep -v Gloo | tail -22
+fi
+if [[ $what == regen ]]; then
+  # eagle3-regenerate vs LLM.generate on one engine (bench/regenerate.py): the 8B shape with
+  # SmolLM2's vocabulary and tokenizer (carried as .bench-tok/: tokenizer files + smollm2.json,
+  # its config), and the SmolLM2-135M shape itself (where per-step overheads weigh most).
+  for shape in 8b 135m; do
+    model=(--model bench/configs/llama3_8b.json --vocab 49152)
+    [[ $shape == 135m ]] && model=(--model .bench-tok/smollm2.json)
+    timeout 280 python3 bench/regenerate.py "${model[@]}" --tokenizer .bench-tok \
+      --load-format dummy --samples 256 --max-tokens 256 --max-num-seqs 64 --repeats 2 \
+      --gpu-memory-utilization 0.6 --vllm-args "$vllm_args" --out "$OUT/regen-$shape.json" \
+      > "$OUT/regen-$shape.log" 2>&1
+    echo "regen $shape rc=$?"
+    grep -v '^(Worker' "$OUT/regen-$shape.log" | grep -v Gloo | tail -6
+  done
 fi
 if [[ $what == all || $what == hf ]]; then
   timeout 150 python3 bench/run.py "${common[@]}" --engine hf --out "$OUT/hf.json" \
