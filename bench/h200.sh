@@ -43,8 +43,8 @@ if [[ $what == regen ]]; then
   for shape in 8b 135m; do
     model=(--model bench/configs/llama3_8b.json --vocab 49152)
     [[ $shape == 135m ]] && model=(--model .bench-tok/smollm2.json)
-    timeout 280 python3 bench/regenerate.py "${model[@]}" --tokenizer .bench-tok \
-      --load-format dummy --samples 256 --max-tokens 256 --max-num-seqs 64 --repeats 2 \
+    timeout 230 python3 bench/regenerate.py "${model[@]}" --tokenizer .bench-tok \
+      --load-format dummy --samples 128 --max-tokens 128 --max-num-seqs 64 --repeats 2 \
       --gpu-memory-utilization 0.6 --vllm-args "$vllm_args" --out "$OUT/regen-$shape.json" \
       > "$OUT/regen-$shape.log" 2>&1
     echo "regen $shape rc=$?"

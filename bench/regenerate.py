@@ -50,7 +50,8 @@ def model_dir(spec: str, tokenizer: str | None, vocab: int | None) -> str:
     out.mkdir(exist_ok=True)
     (out / "config.json").write_text(json.dumps(raw))
     src = Path(tokenizer or build_smollm2())
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                 "chat_template.jinja"):
         if (src / name).exists():
             shutil.copy(src / name, out / name)
     return str(out)
@@ -70,41 +71,18 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     p.add_argument("--executor", default="mp")
     p.add_argument("--vllm-args", type=json.loads, default=None)
-    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=4)
     p.add_argument("--out", type=Path, default=None)
     return p.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> dict:
-    args = parse(argv)
-    from hydra import compose, initialize_config_dir
-    from transformers import AutoTokenizer
-
-    from eagle3_extract.config import conf_dir
+def _measure(llm, tok, cfg, rows: list, args: argparse.Namespace) -> tuple[dict, bool]:
+    """Both paths over the same prompts and SamplingParams, alternating, after a warm-up."""
     from eagle3_extract.data import to_messages
-    from eagle3_extract.model import inspect_model
-    from eagle3_extract.regenerate import Pending, Regenerator, build_llm, close_llm, plan_turns
+    from eagle3_extract.regenerate import Pending, Regenerator, plan_turns
 
-    path = model_dir(args.model, args.tokenizer, args.vocab)
-    over = [f"model.path={path}", f"model.max_model_len={args.max_model_len}",
-            f"model.gpu_memory_utilization={args.gpu_memory_utilization}",
-            f"engine.max_num_seqs={args.max_num_seqs}", f"engine.token_budget={args.token_budget}",
-            f"engine.distributed_executor_backend={args.executor}", "generate.turns=last",
-            f"generate.max_tokens={args.max_tokens}", "generate.on_max_tokens=keep"]
-    if args.load_format:
-        over.append(f"model.load_format={args.load_format}")
-    with initialize_config_dir(str(conf_dir()), version_base="1.3"):
-        cfg = compose("regenerate", overrides=over)
-    if args.vllm_args:
-        cfg.engine.vllm_args = args.vllm_args
-    rows = [json.loads(line) for line in SAMPLE_SET.read_text().splitlines() if line.strip()]
-    rows = [rows[i % len(rows)] for i in range(args.samples)]
-    info = inspect_model(cfg.model)
-    t0 = time.perf_counter()
-    llm = build_llm(cfg, info)
-    start_s = time.perf_counter() - t0
-    tok = AutoTokenizer.from_pretrained(info.tokenizer_path)
-    regen = Regenerator(llm, tok, cfg.generate, args.max_model_len, None,
+    max_model_len = int(cfg.model.max_model_len)
+    regen = Regenerator(llm, tok, cfg.generate, max_model_len, None,
                         window=2 * args.max_num_seqs)
     prompts, params = [], []
     for i, row in enumerate(rows):
@@ -130,15 +108,53 @@ def main(argv: list[str] | None = None) -> dict:
         recs.sort(key=lambda r: r["index"])
         return dt, regen.generated_tokens, [r["turns"][-1]["token_ids"] for r in recs]
 
-    baseline()  # warm-up: first-step allocations, kernels
-    runs = {"llm_generate": [], "eagle3_regenerate": []}
+    baseline(), ours()  # warm-up of both: allocations, and kernels JIT-compiled per shape
+    runs: dict[str, list[float]] = {"llm_generate": [], "eagle3_regenerate": []}
     same = True
-    for _ in range(args.repeats):
-        b, o = baseline(), ours()
+    for r in range(args.repeats):  # b o, o b, ...: neither path always runs second
+        pair = (baseline, ours) if r % 2 == 0 else (ours, baseline)
+        got = {f.__name__: f() for f in pair}
+        b, o = got["baseline"], got["ours"]
         runs["llm_generate"].append(b[1] / b[0])
         runs["eagle3_regenerate"].append(o[1] / o[0])
         same &= b[2] == o[2]
-    close_llm(llm)
+    return runs, same
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse(argv)
+    from hydra import compose, initialize_config_dir
+    from transformers import AutoTokenizer
+
+    from eagle3_extract.config import conf_dir
+    from eagle3_extract.data import Renderer
+    from eagle3_extract.model import inspect_model
+    from eagle3_extract.regenerate import build_llm, close_llm
+
+    path = model_dir(args.model, args.tokenizer, args.vocab)
+    over = [f"model.path={path}", f"model.max_model_len={args.max_model_len}",
+            f"model.gpu_memory_utilization={args.gpu_memory_utilization}",
+            f"engine.max_num_seqs={args.max_num_seqs}", f"engine.token_budget={args.token_budget}",
+            f"engine.distributed_executor_backend={args.executor}", "generate.turns=last",
+            f"generate.max_tokens={args.max_tokens}", "generate.on_max_tokens=keep"]
+    if args.load_format:
+        over.append(f"model.load_format={args.load_format}")
+    with initialize_config_dir(str(conf_dir()), version_base="1.3"):
+        cfg = compose("regenerate", overrides=over)
+    if args.vllm_args:
+        cfg.engine.vllm_args = args.vllm_args
+    rows = [json.loads(line) for line in SAMPLE_SET.read_text().splitlines() if line.strip()]
+    rows = [rows[i % len(rows)] for i in range(args.samples)]
+    info = inspect_model(cfg.model)
+    tok = AutoTokenizer.from_pretrained(info.tokenizer_path)
+    Renderer(tok)  # no chat template: fail before the engine starts
+    t0 = time.perf_counter()
+    llm = build_llm(cfg, info)
+    start_s = time.perf_counter() - t0
+    try:
+        runs, same = _measure(llm, tok, cfg, rows, args)
+    finally:
+        close_llm(llm)
     result = {
         "model": args.model, "samples": args.samples, "max_tokens": args.max_tokens,
         "max_num_seqs": args.max_num_seqs, "engine_start_s": round(start_s, 1),

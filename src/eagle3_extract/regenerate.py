@@ -543,8 +543,13 @@ def _run(plan: Plan) -> dict[str, Any] | None:
     if plan.todo:
         llm = build_llm(cfg, plan.info)
         t_gen = time.perf_counter()
-        regen = Regenerator(llm, plan.tokenizer, cfg.generate, int(cfg.model.max_model_len),
-                            cfg.model.reasoning_parser, window=2 * int(cfg.engine.max_num_seqs))
+        try:
+            regen = Regenerator(llm, plan.tokenizer, cfg.generate, int(cfg.model.max_model_len),
+                                cfg.model.reasoning_parser,
+                                window=2 * int(cfg.engine.max_num_seqs))
+        except BaseException:
+            close_llm(llm)  # else its engine process keeps this one from exiting
+            raise
         pending: dict[int, list[dict[str, Any]]] = {c: [] for c in plan.todo}
         want = {c: len(chunk_indices(c, plan.size, n, shard)) for c in plan.todo}
         progress = Progress(todo)
