@@ -369,3 +369,25 @@ def test_smollm2_greedy_equals_llm_generate_and_its_answer_is_the_loss_mask(smol
     masked = [i for i, k in zip(t["input_ids"].tolist(), t["loss_mask"].tolist()) if k]
     assert tok.decode(masked) == "The capital of France is Paris.<|im_end|>"
     assert masked == row["eagle3_regenerate"]["turns"][-1]["token_ids"]
+
+
+@engine
+def test_data_parallel_replicas_write_what_one_engine_writes(tmp_path):
+    """parallel.data_parallel_size=2: two LLM replicas, each its own shard; the last to
+    finish assembles. Same seeds per sample and turn: the same conversations as DP=1."""
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_CPU_OMP_THREADS_BIND"}
+    common = ["dataset.max_samples=6", "generate.max_tokens=12", "generate.chunk_samples=2",
+              "engine.device=cpu"]
+    outs = {}
+    for dp in (1, 2):
+        out = tmp_path / f"dp{dp}"
+        p = subprocess.run([sys.executable, "-m", "eagle3_extract.regenerate", *common,
+                            f"parallel.data_parallel_size={dp}", f"output.dir={out}"],
+                           env={**env, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True,
+                           timeout=900)
+        assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+        outs[dp] = [json.loads(x) for x in (out / CONVERSATIONS).read_text().splitlines()]
+    assert len(outs[1]) == 6 and outs[1] == outs[2]
+    assert sorted(p.name for p in (tmp_path / "dp2" / PARTS).glob("chunk-*")) == [
+        part for c in range(3) for part in (f"chunk-{c:06d}.shard-0-of-2.jsonl",
+                                             f"chunk-{c:06d}.shard-1-of-2.jsonl")]
