@@ -391,3 +391,29 @@ def test_data_parallel_replicas_write_what_one_engine_writes(tmp_path):
     assert sorted(p.name for p in (tmp_path / "dp2" / PARTS).glob("chunk-*")) == [
         part for c in range(3) for part in (f"chunk-{c:06d}.shard-0-of-2.jsonl",
                                              f"chunk-{c:06d}.shard-1-of-2.jsonl")]
+
+
+def test_extraction_refuses_ids_generated_with_another_tokenizer(tmp_path, tok, offline):
+    """A conversations.jsonl of eagle3-regenerate carries token ids of its tokenizer:
+    extraction with a model whose vocabulary differs stops in preflight, exit 2."""
+    import copy
+
+    from eagle3_extract.errors import PreflightError
+    from eagle3_extract.job import preflight
+    from eagle3_extract.regenerate import MANIFEST, vocab_sha256
+
+    regen = tmp_path / "regen"
+    regen.mkdir()
+    (regen / CONVERSATIONS).write_text(json.dumps(chat("hi", "hello")) + "\n")
+    other = copy.deepcopy(tok)
+    other.add_tokens(["<extra>"])
+    manifest = {"kind": "eagle3-regenerate",
+                "identity": {"model": {"path": "other", "vocab_sha256": vocab_sha256(other)}}}
+    (regen / MANIFEST).write_text(json.dumps(manifest))
+    cfg = extract_cfg("dataset=local", f"dataset.path={regen / CONVERSATIONS}",
+                      f"output.dir={tmp_path / 'ex'}")
+    with pytest.raises(PreflightError, match="another tokenizer"):
+        preflight(cfg)
+    manifest["identity"]["model"]["vocab_sha256"] = vocab_sha256(tok)
+    (regen / MANIFEST).write_text(json.dumps(manifest))
+    preflight(cfg).close()

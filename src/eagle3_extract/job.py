@@ -199,6 +199,9 @@ def preflight(cfg: Any) -> Plan:
     else:
         tokenizer = load_tokenizer(info.tokenizer_path, bool(cfg.model.trust_remote_code))
         renderer = Renderer(tokenizer)  # raises if there is no chat template
+        from .regenerate import check_regenerated_input
+
+        check_regenerated_input(str(cfg.dataset.path), tokenizer, info)
         ident = run_identity(cfg, info, layer_ids, chat_template_sha256(tokenizer), max_len)
     resuming = check_run_json(root, ident)
     index, count = int(cfg.shard.index), int(cfg.shard.count)
