@@ -326,6 +326,25 @@ def test_sigkill_mid_run_then_rerun_writes_every_sample_once(tmp_path):
     assert sum(manifest["counts"]["outcomes"].values()) == manifest["counts"]["selected"]
     assert f"{2 * len(kept)} from before" in log
 
+    # the Llama-3-style template family: every sample's loss mask is exactly the ids the
+    # model generated, turn after turn (random byte-level ids included: the splice)
+    from safetensors.torch import load_file
+
+    from eagle3_extract.job import run as extract
+
+    ex = extract(extract_cfg("dataset=local", f"dataset.path={out / CONVERSATIONS}",
+                             "dataset.shuffle=false", "engine.distributed_executor_backend=uni",
+                             f"output.dir={tmp_path / 'ex'}", "output.draft_vocab_size=null"))
+    turns = ex["data"]["regenerated_turns"]
+    assert ex["counts"]["written"] == len(rows) and turns["template_drift"] == 0
+    assert turns["exact"] + turns["retokenized"] == sum(len(r["eagle3_regenerate"]["turns"])
+                                                        for r in rows)
+    for i, r in enumerate(rows):  # unshuffled: sample i is row i
+        t = load_file(str(next((tmp_path / "ex").rglob(f"{i:09d}.safetensors"))))
+        masked = [x for x, k in zip(t["input_ids"].tolist(), t["loss_mask"].tolist()) if k]
+        assert masked == [x for turn in r["eagle3_regenerate"]["turns"]
+                          for x in turn["token_ids"]]
+
 
 @pytest.fixture(scope="module")
 def smollm2():
@@ -417,3 +436,14 @@ def test_extraction_refuses_ids_generated_with_another_tokenizer(tmp_path, tok, 
     manifest["identity"]["model"]["vocab_sha256"] = vocab_sha256(tok)
     (regen / MANIFEST).write_text(json.dumps(manifest))
     preflight(cfg).close()
+
+
+def test_dry_run_checks_everything_and_generates_nothing(tmp_path, offline):
+    from eagle3_extract.regenerate import run
+
+    out = tmp_path / "regen"
+    assert run(regen_cfg("dry_run=true", f"output.dir={out}")) is None
+    assert (out / "run.json").exists() and not (out / CONVERSATIONS).exists()
+    assert not list((out / PARTS).glob("chunk-*"))
+    with pytest.raises(Exception, match="different data-determining config"):
+        run(regen_cfg("dry_run=true", "generate.seed=7", f"output.dir={out}"))

@@ -182,7 +182,11 @@ class Regenerator:
         if len(prompt) >= self.max_model_len:
             return p.end("overlong", f"prompt of turn {len(p.turns)}: {len(prompt)} tokens")
         rid = f"{p.index}-{len(p.turns)}"
-        self.engine.add_request(rid, {"prompt_token_ids": prompt}, self.params(p, len(prompt)))
+        try:
+            self.engine.add_request(rid, {"prompt_token_ids": prompt},
+                                    self.params(p, len(prompt)))
+        except ValueError as e:  # vLLM's input checks refuse this one request
+            return p.end("error", f"turn {len(p.turns)}: {e}")
         p.turns.append({"position": p.position, "prompt_tokens": len(prompt)})
         inflight[rid] = p
         return None
