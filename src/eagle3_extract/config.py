@@ -135,29 +135,32 @@ class RegenerateOutputConfig:
 
 
 @dataclass
-class RegenerateConfig:
+class JobConfig:
+    """The keys every job of ours has: the model, its data, the vLLM engine, the split."""
+
     model: ModelConfig = field(default_factory=ModelConfig)
     dataset: DatasetConfig = field(default_factory=DatasetConfig)
-    generate: GenerateConfig = field(default_factory=GenerateConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
-    output: RegenerateOutputConfig = field(default_factory=RegenerateOutputConfig)
     shard: ShardConfig = field(default_factory=ShardConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
-    dry_run: bool = False
-    verbose: bool = False
+    dry_run: bool = False  # preflight only: check everything, run nothing
+    verbose: bool = False  # engine logs (vLLM at INFO) besides the job's own
 
 
 @dataclass
-class Config:
-    model: ModelConfig = field(default_factory=ModelConfig)
+class Config(JobConfig):
+    """eagle3-extract (conf/config.yaml)."""
+
     layers: LayersConfig = field(default_factory=LayersConfig)
-    dataset: DatasetConfig = field(default_factory=DatasetConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
-    engine: EngineConfig = field(default_factory=EngineConfig)
-    shard: ShardConfig = field(default_factory=ShardConfig)
-    parallel: ParallelConfig = field(default_factory=ParallelConfig)
-    dry_run: bool = False  # preflight only: check everything, extract nothing
-    verbose: bool = False  # engine logs (vLLM at INFO) besides the job's own
+
+
+@dataclass
+class RegenerateConfig(JobConfig):
+    """eagle3-regenerate (conf/regenerate.yaml)."""
+
+    generate: GenerateConfig = field(default_factory=GenerateConfig)
+    output: RegenerateOutputConfig = field(default_factory=RegenerateOutputConfig)
 
 
 def conf_dir() -> Path:
