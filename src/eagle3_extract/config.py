@@ -243,29 +243,36 @@ def _positive(key: str, value: Any, minimum: int = 1) -> None:
         raise ConfigError(f"{key}={value!r} must be >= {minimum}")
 
 
-def validate(cfg: Any) -> None:
-    """Value checks that the schema's types cannot express. Raises ConfigError."""
-    _choice("dataset.overlong", cfg.dataset.overlong, OVERLONG_POLICIES)
+def _validate_job(cfg: Any) -> None:
+    """The checks of the keys every job has (JobConfig)."""
     _choice("dataset.format", cfg.dataset.format, DATASET_FORMATS)
-    _choice("output.format", cfg.output.format, OUTPUT_FORMATS)
+    _choice("dataset.overlong", cfg.dataset.overlong, OVERLONG_POLICIES)
     _choice("engine.name", cfg.engine.name, ENGINES)
     _positive("model.max_model_len", cfg.model.max_model_len, 2)
     _positive("engine.token_budget", cfg.engine.token_budget)
     _positive("engine.max_num_seqs", cfg.engine.max_num_seqs)
-    _positive("engine.host_buffers", cfg.engine.host_buffers)
-    _positive("output.files_per_dir", cfg.output.files_per_dir)
-    _positive("output.writer_threads", cfg.output.writer_threads)
     _positive("shard.count", cfg.shard.count)
     _positive("parallel.data_parallel_size", cfg.parallel.data_parallel_size)
     if cfg.dataset.max_samples is not None:
         _positive("dataset.max_samples", cfg.dataset.max_samples)
-    if cfg.output.draft_vocab_size is not None:
-        _positive("output.draft_vocab_size", cfg.output.draft_vocab_size)
     if not 0 <= cfg.shard.index < cfg.shard.count:
         raise ConfigError(
             f"shard.index={cfg.shard.index} must be in 0..shard.count-1 "
             f"(shard.count={cfg.shard.count})"
         )
+    if not str(cfg.output.dir).strip():
+        raise ConfigError("output.dir is empty")
+
+
+def validate(cfg: Any) -> None:
+    """Value checks that the schema's types cannot express. Raises ConfigError."""
+    _validate_job(cfg)
+    _choice("output.format", cfg.output.format, OUTPUT_FORMATS)
+    _positive("engine.host_buffers", cfg.engine.host_buffers)
+    _positive("output.files_per_dir", cfg.output.files_per_dir)
+    _positive("output.writer_threads", cfg.output.writer_threads)
+    if cfg.output.draft_vocab_size is not None:
+        _positive("output.draft_vocab_size", cfg.output.draft_vocab_size)
     if cfg.dataset.max_length is not None:
         limit = cfg.model.max_model_len - 1
         if not 1 <= cfg.dataset.max_length <= limit:
@@ -273,37 +280,24 @@ def validate(cfg: Any) -> None:
                 f"dataset.max_length={cfg.dataset.max_length} must be in 1..{limit} "
                 f"(model.max_model_len - 1: vLLM needs len(prompt) + 1 <= max_model_len)"
             )
-    if not str(cfg.output.dir).strip():
-        raise ConfigError("output.dir is empty")
 
 
 def validate_regenerate(cfg: Any) -> None:
     """Value checks of an eagle3-regenerate config. Raises ConfigError."""
+    if str(cfg.engine.name) != "vllm":
+        raise ConfigError(f"engine={cfg.engine.name}: eagle3-regenerate generates with vLLM; "
+                          "use engine=vllm")
+    _validate_job(cfg)
     g = cfg.generate
     _choice("generate.turns", g.turns, TURN_MODES)
     _choice("generate.reasoning", g.reasoning, REASONING_MODES)
     _choice("generate.on_max_tokens", g.on_max_tokens, MAX_TOKENS_POLICIES)
-    _choice("dataset.format", cfg.dataset.format, DATASET_FORMATS)
-    if str(cfg.engine.name) != "vllm":
-        raise ConfigError(f"engine={cfg.engine.name}: eagle3-regenerate generates with vLLM; "
-                          "use engine=vllm")
     _positive("generate.max_tokens", g.max_tokens)
     _positive("generate.chunk_samples", g.chunk_samples)
-    _positive("model.max_model_len", cfg.model.max_model_len, 2)
-    _positive("engine.token_budget", cfg.engine.token_budget)
-    _positive("engine.max_num_seqs", cfg.engine.max_num_seqs)
-    _positive("shard.count", cfg.shard.count)
-    _positive("parallel.data_parallel_size", cfg.parallel.data_parallel_size)
-    if cfg.dataset.max_samples is not None:
-        _positive("dataset.max_samples", cfg.dataset.max_samples)
     if not 0.0 <= float(g.temperature) <= 10.0:
         raise ConfigError(f"generate.temperature={g.temperature} must be in 0..10")
     if not 0.0 < float(g.top_p) <= 1.0:
         raise ConfigError(f"generate.top_p={g.top_p} must be in (0, 1]")
-    if not 0 <= cfg.shard.index < cfg.shard.count:
-        raise ConfigError(f"shard.index={cfg.shard.index} must be in 0..shard.count-1")
-    if not str(cfg.output.dir).strip():
-        raise ConfigError("output.dir is empty")
 
 
 def max_length(cfg: Any) -> int:
