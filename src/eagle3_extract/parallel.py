@@ -258,7 +258,9 @@ def launch_regenerate(cfg: Any, overrides: list[str], log_root: Path) -> int:
     try:
         return _run_replicas(cfg, overrides, replicas, plan.root, t0,
                              module="eagle3_extract.regenerate",
-                             progress=lambda root, reps: f"{len(reps)} replicas running",
+                             progress=lambda root, reps: "{} part files of {} replicas".format(
+                                 len(list((root / regenerate.PARTS).glob("chunk-*.jsonl"))),
+                                 len(reps)),
                              summary=lambda root, reps, wall: log.info(
                                  "done: %d replicas in %.1fs; %s", len(reps), wall,
                                  root / regenerate.CONVERSATIONS))
