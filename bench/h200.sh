@@ -40,11 +40,12 @@ if [[ $what == regen ]]; then
   # eagle3-regenerate vs LLM.generate on one engine (bench/regenerate.py): the 8B shape with
   # SmolLM2's vocabulary and tokenizer (carried as .bench-tok/: tokenizer files + smollm2.json,
   # its config), and the SmolLM2-135M shape itself (where per-step overheads weigh most).
-  for shape in 8b 135m; do
+  for shape in ${REGEN_SHAPES:-8b 135m}; do
     model=(--model bench/configs/llama3_8b.json --vocab 49152)
     [[ $shape == 135m ]] && model=(--model .bench-tok/smollm2.json)
     timeout 230 python3 bench/regenerate.py "${model[@]}" --tokenizer .bench-tok \
-      --load-format dummy --samples 128 --max-tokens 128 --max-num-seqs 64 --repeats 2 \
+      --load-format dummy --samples "${REGEN_SAMPLES:-128}" --max-tokens 128 --max-num-seqs 64 \
+      --repeats "${REGEN_REPEATS:-2}" \
       --gpu-memory-utilization 0.6 --vllm-args "$vllm_args" --out "$OUT/regen-$shape.json" \
       > "$OUT/regen-$shape.log" 2>&1
     echo "regen $shape rc=$?"

@@ -118,6 +118,8 @@ def _measure(llm, tok, cfg, rows: list, args: argparse.Namespace) -> tuple[dict,
         runs["llm_generate"].append(b[1] / b[0])
         runs["eagle3_regenerate"].append(o[1] / o[0])
         same &= b[2] == o[2]
+        print(f"pair {r}: LLM.generate {b[1] / b[0]:.1f} tok/s, eagle3-regenerate "
+              f"{o[1] / o[0]:.1f} tok/s", flush=True)
     return runs, same
 
 

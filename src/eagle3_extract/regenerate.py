@@ -173,14 +173,19 @@ class Regenerator:
             return outcome(index, row_no, "nothing_to_generate")
         return Pending(index, row_no, msgs, targets)
 
-    def submit(self, p: Pending, inflight: dict[str, Pending]) -> dict[str, Any] | None:
-        """Add p's next turn to the engine; the sample's outcome if it cannot be added."""
+    def prepare(self, p: Pending) -> list[int] | dict[str, Any]:
+        """The prompt of p's next turn, or the sample's outcome if it has none."""
         try:
             prompt = self.prompt(p)
         except Exception as e:  # noqa: BLE001 - a template may raise anything
             return p.end("template_error", f"{type(e).__name__}: {e}")
         if len(prompt) >= self.max_model_len:
             return p.end("overlong", f"prompt of turn {len(p.turns)}: {len(prompt)} tokens")
+        return prompt
+
+    def add(self, p: Pending, prompt: list[int], inflight: dict[str, Pending]
+            ) -> dict[str, Any] | None:
+        """Add p's next turn to the engine; the sample's outcome if vLLM refuses it."""
         rid = f"{p.index}-{len(p.turns)}"
         try:
             self.engine.add_request(rid, {"prompt_token_ids": prompt},
@@ -190,6 +195,10 @@ class Regenerator:
         p.turns.append({"position": p.position, "prompt_tokens": len(prompt)})
         inflight[rid] = p
         return None
+
+    def submit(self, p: Pending, inflight: dict[str, Pending]) -> dict[str, Any] | None:
+        prompt = self.prepare(p)
+        return prompt if isinstance(prompt, dict) else self.add(p, prompt, inflight)
 
     def split(self, text: str) -> tuple[str | None, str]:
         if self.parser is None:
@@ -248,12 +257,21 @@ class Regenerator:
         source: Iterator = iter(items)
 
         def feed() -> None:
-            while len(inflight) < self.window:
+            # Render every new prompt first, then add them together: the engine's first
+            # steps then see the whole window, as with LLM.generate, not a trickle.
+            ready: list[tuple[Pending, list[int]]] = []
+            while len(inflight) + len(ready) < self.window:
                 item = next(source, None)
                 if item is None:
-                    return
+                    break
                 p = self.start(*item)
-                rec = p if isinstance(p, dict) else self.submit(p, inflight)
+                prompt = p if isinstance(p, dict) else self.prepare(p)
+                if isinstance(prompt, dict):
+                    on_done(prompt)
+                else:
+                    ready.append((p, prompt))
+            for p, prompt in ready:
+                rec = self.add(p, prompt, inflight)
                 if rec is not None:
                     on_done(rec)
 
