@@ -447,3 +447,21 @@ def test_dry_run_checks_everything_and_generates_nothing(tmp_path, offline):
     assert not list((out / PARTS).glob("chunk-*"))
     with pytest.raises(Exception, match="different data-determining config"):
         run(regen_cfg("dry_run=true", "generate.seed=7", f"output.dir={out}"))
+
+
+def test_a_killed_runs_temps_are_removed_but_not_another_live_shards(tmp_path, offline):
+    from eagle3_extract.regenerate import preflight, scan_parts
+
+    out = tmp_path / "regen"
+    plan = preflight(regen_cfg("shard.count=2", f"output.dir={out}"))
+    mine = out / PARTS / ".chunk-000000.shard-0-of-2.jsonl.tmp-99"
+    theirs = out / PARTS / ".chunk-000000.shard-1-of-2.jsonl.tmp-98"
+    fresh = out / f".{CONVERSATIONS}.tmp-97"  # another shard assembling right now
+    for f in (mine, theirs, fresh):
+        f.write_text("{}")
+    try:
+        scan_parts(plan)
+    finally:
+        plan.lock.release()
+    assert not mine.exists() and theirs.exists() and fresh.exists()
+    assert plan.todo == plan.chunks() and not plan.done

@@ -54,9 +54,11 @@ from .data import (
 )
 from .errors import Interrupted, raise_interrupted
 from .lock import ShardLock
+from .layout import RUN_JSON
 from .manifest import (
     chat_template_sha256,
     check_run_json,
+    clean_json_temps,
     dataset_identity,
     package_versions,
     write_json_atomic,
@@ -369,12 +371,14 @@ def write_part(path: Path, recs: list[dict[str, Any]]) -> None:
     os.replace(tmp, path)
 
 
-def clean_temps(parts: Path) -> int:
+def clean_temps(root: Path, shard: tuple[int, int]) -> int:
+    """Temps a killed run left: this shard's part files (its lock makes them ours), and
+    the shared outputs' once they are old (another shard may be writing them now)."""
     n = 0
-    for t in parts.glob(".*.tmp-*"):
+    for t in (root / PARTS).glob(f".chunk-*.shard-{shard[0]}-of-{shard[1]}.jsonl.tmp-*"):
         t.unlink(missing_ok=True)
         n += 1
-    return n
+    return n + clean_json_temps(root, [], shared=(RUN_JSON, MANIFEST, CONVERSATIONS))
 
 
 # --- the job ------------------------------------------------------------------------------
@@ -511,7 +515,7 @@ def scan_parts(plan: Plan) -> None:
     """Which chunks of this shard are done: part files are read, not trusted by name; one
     that is not whole is removed and its chunk redone."""
     parts = plan.root / PARTS
-    clean_temps(parts)
+    clean_temps(plan.root, plan.shard)
     for c in plan.chunks():
         path = parts / part_name(c, plan.shard)
         recs = read_part(path, chunk_indices(c, plan.size, len(plan.order), plan.shard)) \
