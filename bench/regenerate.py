@@ -79,7 +79,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 def _measure(llm, tok, cfg, rows: list, args: argparse.Namespace) -> tuple[dict, bool]:
     """Both paths over the same prompts and SamplingParams, alternating, after a warm-up."""
     from eagle3_extract.data import to_messages
-    from eagle3_extract.regenerate import Pending, Regenerator, plan_turns
+    from eagle3_extract.generation import Pending, Regenerator, plan_turns
 
     max_model_len = int(cfg.model.max_model_len)
     regen = Regenerator(llm, tok, cfg.generate, max_model_len, None,
@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> dict:
     from eagle3_extract.config import conf_dir
     from eagle3_extract.data import Renderer
     from eagle3_extract.model import inspect_model
-    from eagle3_extract.regenerate import build_llm, close_llm
+    from eagle3_extract.generation import build_llm, close_llm
 
     path = model_dir(args.model, args.tokenizer, args.vocab)
     over = [f"model.path={path}", f"model.max_model_len={args.max_model_len}",

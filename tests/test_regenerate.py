@@ -25,14 +25,8 @@ from hydra import compose, initialize_config_dir
 
 from eagle3_extract.config import ASSETS, conf_dir
 from eagle3_extract.data import Renderer, to_messages
-from eagle3_extract.regenerate import (
-    CONVERSATIONS,
-    PARTS,
-    Regenerator,
-    close_llm,
-    plan_turns,
-    request_seed,
-)
+from eagle3_extract.generation import Regenerator, close_llm, plan_turns, request_seed
+from eagle3_extract.regenerate import CONVERSATIONS, PARTS
 from test_rows import REASONING, THINKING_TEMPLATE, TOOLS
 
 REPO = Path(__file__).resolve().parents[1]
@@ -146,7 +140,7 @@ engine = pytest.mark.engine
 
 def _llm(path: str, max_model_len: int = 1024):
     from eagle3_extract.model import inspect_model
-    from eagle3_extract.regenerate import build_llm
+    from eagle3_extract.generation import build_llm
 
     cfg = regen_cfg(f"model.path={path}", f"model.max_model_len={max_model_len}",
                     "engine.distributed_executor_backend=uni", "model.gpu_memory_utilization=0.5")
@@ -175,7 +169,7 @@ ROWS = [chat("What is 2 + 2?"), chat("Name a colour.", "Blue."), chat("hi"),
 
 def _generate_reference(llm, regen, rows, turns_mode="last"):
     """vLLM's own LLM.generate, one call over every sample's (single) prompt."""
-    from eagle3_extract.regenerate import Pending
+    from eagle3_extract.generation import Pending
 
     prompts, params = [], []
     for i, row in enumerate(rows):
