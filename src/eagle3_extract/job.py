@@ -98,7 +98,7 @@ class Plan:
         return int(self.cfg.shard.index), int(self.cfg.shard.count)
 
 
-def _resolve(cfg: Any) -> dict[str, Any]:
+def resolve_config(cfg: Any) -> dict[str, Any]:
     try:
         return OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
     except OmegaConfBaseException as e:
@@ -113,7 +113,7 @@ def _resolve(cfg: Any) -> dict[str, Any]:
         raise ConfigError(f"config error: {msg}") from e
 
 
-def _check_writable(root: Path) -> None:
+def check_writable(root: Path) -> None:
     try:
         root.mkdir(parents=True, exist_ok=True)
         probe = root / f".write-probe-{os.getpid()}"
@@ -165,10 +165,10 @@ def preflight(cfg: Any) -> Plan:
 
     t0 = time.perf_counter()
     validate(cfg)
-    resolved = _resolve(cfg)
+    resolved = resolve_config(cfg)
     root = Path(os.path.abspath(os.path.expanduser(str(cfg.output.dir))))
     # Cheap checks first: a wrong path should not wait for a model config to load.
-    _check_writable(root)
+    check_writable(root)
     rows = None if os.environ.get(TOKENIZED_ENV) else read_nonempty(cfg.dataset)
     max_len = max_length(cfg)
     if cfg.engine.token_budget < max_len:

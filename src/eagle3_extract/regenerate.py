@@ -202,12 +202,12 @@ def identity(cfg: Any, info: Any, template_sha256: str, vocab: str) -> dict[str,
 def preflight(cfg: Any) -> Plan:
     from .engine import inspect_model
     from .engine.vllm import check_vllm_args
-    from .job import _check_writable, _resolve
+    from .job import check_writable, resolve_config
 
     validate_regenerate(cfg)
-    _resolve(cfg)
+    resolve_config(cfg)
     root = Path(os.path.abspath(os.path.expanduser(str(cfg.output.dir))))
-    _check_writable(root)
+    check_writable(root)
     rows = read_nonempty(cfg.dataset)
     check_vllm_args(cfg, fixed={})
     try:
