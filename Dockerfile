@@ -189,6 +189,7 @@ ENV HF_HOME=/data/hf-cache \
     EAGLE3_HOME=/opt/eagle3-extract \
     EAGLE3_BUILD_INFO=/opt/eagle3-extract/BUILD_INFO.json \
     EAGLE3_CACHE=/data/cache/eagle3-extract \
+    EAGLE3_TRAIN_PYTHON=/opt/venv-train/bin/python \
     XDG_CACHE_HOME=/data/cache \
     VLLM_CACHE_ROOT=/data/cache/vllm \
     TRITON_CACHE_DIR=/data/cache/triton \

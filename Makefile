@@ -50,7 +50,7 @@ endif
 # docker/make-job.sh runs extract/sweep/verify (runner choice, DATASET/MODEL mapping).
 export RUNNER DATASET MODEL DIR VENV DOCKER COMPOSE MAKE
 
-.PHONY: help venv venv-train build image-test extract regenerate pipeline sweep verify test lint bench clean distclean lock-cpu lock-cuda
+.PHONY: help venv venv-train build image-test extract regenerate pipeline train acceptance e2e sweep verify test lint bench clean distclean lock-cpu lock-cuda
 
 help: ## this list
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F ':.*## ' '{printf "  %-10s %s\n", $$1, $$2}'
@@ -130,6 +130,21 @@ pipeline: ## regenerate, then extract on its output: DATASET MODEL REGEN_ARGS AR
 		'output.dir=$${oc.env:EAGLE3_OUTPUT_ROOT,outputs}/regenerated/$(PIPELINE)' $(REGEN_ARGS)
 	@DATASET=$(EAGLE3_HOST_OUTPUTS)/regenerated/$(PIPELINE)/conversations.jsonl \
 		docker/make-job.sh extract $(ARGS)
+
+# A drafter from an extraction (speculators 0.9.0 in .venv-train), and its acceptance rate
+# (the hf loop on CPU; ARGS="engine=vllm" on a GPU). Local environments only.
+DRAFTER ?=
+E2E_ARGS ?=
+train: venv venv-train ## eagle3-train: a drafter vLLM 0.16 serves, from DIR=<extraction> ARGS=...
+	$(VPY) -m eagle3_extract.train 'data.dir=$(DIR)' $(ARGS)
+
+acceptance: venv ## eagle3-acceptance: DRAFTER=<train output>/drafter MODEL=... ARGS=...
+	$(VPY) -m eagle3_extract.acceptance 'drafter.dir=$(DRAFTER)' $(if $(MODEL),model=$(MODEL)) $(ARGS)
+
+# The drafter check end to end: regenerate -> extract -> train -> acceptance on held-out
+# prompts, and the same on states one layer off (the control), into outputs/e2e/<MODEL>.
+e2e: venv venv-train ## the drafter check with its control: MODEL=smollm2 E2E_ARGS="--samples 240 ..."
+	$(VPY) -m eagle3_extract.e2e --model $(or $(MODEL),tiny) $(E2E_ARGS)
 
 sweep: ## Hydra multirun (eagle3-extract -m): same variables as extract
 	@docker/make-job.sh sweep $(ARGS)

@@ -21,6 +21,8 @@ subcommands:
   patches                  eagle3-patches status, then eagle3-patches check
   train [ARGS...]          speculators 0.9.0's trainer (its own environment):
                            speculators train ARGS, e.g. --data-path an eagle3-export dir
+  drafter [OVERRIDES]      eagle3-train: a drafter vLLM 0.16 serves, from an extraction
+  acceptance [OVERRIDES]   eagle3-acceptance: how many of a drafter's tokens are accepted
   test [PYTEST ARGS]       run the test suite shipped in the image (python -m pytest)
   shell [BASH ARGS]        bash
   -h, --help               this text
@@ -102,6 +104,14 @@ case "$cmd" in
     train)
         shift
         run speculators-0.9 train "$@"
+        ;;
+    drafter)
+        shift
+        run eagle3-train "$@"
+        ;;
+    acceptance)
+        shift
+        run eagle3-acceptance "$@"
         ;;
     shell)
         shift

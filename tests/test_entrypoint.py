@@ -18,7 +18,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 ENTRYPOINT = ROOT / "entrypoint.sh"
 STUBS = ("eagle3-extract", "eagle3-verify", "eagle3-validate", "eagle3-status",
-         "eagle3-patches", "python", "bash", "speculators-0.9")
+         "eagle3-patches", "python", "bash", "speculators-0.9", "eagle3-train",
+         "eagle3-acceptance")
 
 STUB = f"""#!{sys.executable}
 import json, os, sys
@@ -88,6 +89,9 @@ def test_default_is_extract(entry):
         (["validate", "/data/outputs/run"], "eagle3-validate", ["/data/outputs/run"]),
         (["status", "/data/outputs/run"], "eagle3-status", ["/data/outputs/run"]),
         (["shell", "-c", "echo hi"], "bash", ["-c", "echo hi"]),
+        (["drafter", "data.dir=/data/outputs/run"], "eagle3-train", ["data.dir=/data/outputs/run"]),
+        (["acceptance", "drafter.dir=/d", "engine=vllm"], "eagle3-acceptance",
+         ["drafter.dir=/d", "engine=vllm"]),
         # anything else: Hydra overrides for extract
         (["model=tiny", "dataset.max_samples=3"], "eagle3-extract",
          ["model=tiny", "dataset.max_samples=3"]),

@@ -30,6 +30,7 @@ DATASET_FORMATS = ("auto", "jsonl", "json", "parquet", "hub")
 TURN_MODES = ("all", "last")
 REASONING_MODES = ("keep", "drop")
 MAX_TOKENS_POLICIES = ("drop", "keep")
+DEVICES = ("auto", "cpu", "cuda")
 
 
 
@@ -163,6 +164,80 @@ class RegenerateConfig(JobConfig):
     output: RegenerateOutputConfig = field(default_factory=RegenerateOutputConfig)
 
 
+@dataclass
+class TrainDataConfig:
+    dir: str = MISSING  # an extraction's output.dir (eagle3-extract, output=safetensors)
+
+
+@dataclass
+class TrainSettings:
+    """eagle3-train: speculators 0.9.0's EAGLE-3 trainer, as its flags spell the keys."""
+
+    name: str = MISSING
+    epochs: int = 20
+    lr: float = 1e-3
+    total_seq_len: int = 8192  # tokens packed per step
+    ttt_steps: int = 3  # draft depths trained (test-time training steps)
+    num_layers: int = 1  # draft decoder layers
+    # null: the extraction's vocab/ (output.draft_vocab_size); else rebuilt from its
+    # token_freq.json with this many of the most frequent loss tokens
+    draft_vocab_size: Optional[int] = None
+    seed: int = 0
+    max_steps: Optional[int] = None
+    train_data_ratio: float = 0.9  # the rest is the trainer's validation split
+    # the aux layer ids written into the drafter (what vLLM will feed it); null: the
+    # extraction's, the only right value. Set only to reproduce a convention mistake.
+    served_layer_ids: Optional[List[int]] = None
+    device: str = "auto"  # auto | cpu | cuda (cpu: the fused loss and flex attention off)
+    python: str = "${oc.env:EAGLE3_TRAIN_PYTHON,.venv-train/bin/python}"
+    extra_args: List[str] = field(default_factory=list)  # more `speculators train` flags
+
+
+@dataclass
+class TrainOutputConfig:
+    dir: str = MISSING
+
+
+@dataclass
+class TrainJobConfig:
+    """eagle3-train (conf/train.yaml)."""
+
+    data: TrainDataConfig = field(default_factory=TrainDataConfig)
+    train: TrainSettings = field(default_factory=TrainSettings)
+    output: TrainOutputConfig = field(default_factory=TrainOutputConfig)
+    dry_run: bool = False
+    verbose: bool = False  # the trainer's own log lines on the terminal
+
+
+@dataclass
+class DrafterConfig:
+    dir: str = MISSING  # eagle3-train's output.dir (or any speculators-format EAGLE-3 drafter)
+
+
+@dataclass
+class AcceptanceSettings:
+    num_speculative_tokens: int = 3
+    max_tokens: int = 128  # generated per prompt
+    hf_dtype: str = "float32"  # engine=hf: the loop's compute dtype (engine.device: where)
+    # fail (exit 1) when the first-position acceptance is below / above these
+    min_first_position: Optional[float] = None
+    max_first_position: Optional[float] = None
+
+
+@dataclass
+class AcceptanceConfig:
+    """eagle3-acceptance (conf/acceptance.yaml)."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    dataset: DatasetConfig = field(default_factory=DatasetConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    drafter: DrafterConfig = field(default_factory=DrafterConfig)
+    acceptance: AcceptanceSettings = field(default_factory=AcceptanceSettings)
+    output: TrainOutputConfig = field(default_factory=TrainOutputConfig)
+    dry_run: bool = False
+    verbose: bool = False
+
+
 def conf_dir() -> Path:
     """The Hydra config directory: `conf/` at the repo root, or $EAGLE3_CONF_DIR."""
     env = os.environ.get("EAGLE3_CONF_DIR")
@@ -225,6 +300,8 @@ def register() -> None:
             OmegaConf.register_new_resolver(name, fn)
     ConfigStore.instance().store(name="eagle3_schema", node=Config)
     ConfigStore.instance().store(name="eagle3_regenerate_schema", node=RegenerateConfig)
+    ConfigStore.instance().store(name="eagle3_train_schema", node=TrainJobConfig)
+    ConfigStore.instance().store(name="eagle3_acceptance_schema", node=AcceptanceConfig)
 
 
 register()
@@ -298,6 +375,43 @@ def validate_regenerate(cfg: Any) -> None:
         raise ConfigError(f"generate.temperature={g.temperature} must be in 0..10")
     if not 0.0 < float(g.top_p) <= 1.0:
         raise ConfigError(f"generate.top_p={g.top_p} must be in (0, 1]")
+
+
+def validate_train(cfg: Any) -> None:
+    """Value checks of an eagle3-train config. Raises ConfigError."""
+    t = cfg.train
+    _choice("train.device", t.device, DEVICES)
+    for key in ("epochs", "total_seq_len", "ttt_steps", "num_layers"):
+        _positive(f"train.{key}", t[key])
+    if t.max_steps is not None:
+        _positive("train.max_steps", t.max_steps)
+    if t.draft_vocab_size is not None:
+        _positive("train.draft_vocab_size", t.draft_vocab_size)
+    if not float(t.lr) > 0:
+        raise ConfigError(f"train.lr={t.lr} must be > 0")
+    if not 0.0 < float(t.train_data_ratio) <= 1.0:
+        raise ConfigError(f"train.train_data_ratio={t.train_data_ratio} must be in (0, 1]")
+    for key in ("data.dir", "output.dir", "train.python"):
+        if not str(OmegaConf.select(cfg, key)).strip():
+            raise ConfigError(f"{key} is empty")
+
+
+def validate_acceptance(cfg: Any) -> None:
+    """Value checks of an eagle3-acceptance config. Raises ConfigError."""
+    a = cfg.acceptance
+    _choice("engine.name", cfg.engine.name, ENGINES)
+    _choice("acceptance.hf_dtype", a.hf_dtype, ("float32", "bfloat16", "float16"))
+    _positive("acceptance.num_speculative_tokens", a.num_speculative_tokens)
+    _positive("acceptance.max_tokens", a.max_tokens)
+    if cfg.dataset.max_samples is not None:
+        _positive("dataset.max_samples", cfg.dataset.max_samples)
+    for key in ("min_first_position", "max_first_position"):
+        v = a[key]
+        if v is not None and not 0.0 <= float(v) <= 1.0:
+            raise ConfigError(f"acceptance.{key}={v} must be in 0..1")
+    for key in ("drafter.dir", "output.dir"):
+        if not str(OmegaConf.select(cfg, key)).strip():
+            raise ConfigError(f"{key} is empty")
 
 
 def max_length(cfg: Any) -> int:

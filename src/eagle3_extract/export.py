@@ -54,6 +54,8 @@ def export(root: Path, out: Path) -> dict:
         raise ExportError(f"{out} exists and is not empty: give a new directory")
     import datasets
 
+    datasets.disable_progress_bars()  # our one summary line is the progress
+
     tmp = out.with_name(f".{out.name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     (tmp / HS_DIR).mkdir(parents=True)

@@ -30,9 +30,11 @@ def gguf_path() -> Path:
     return path
 
 
-def build_smollm2(dtype: str = "bfloat16", root: Path | None = None) -> Path:
-    """A model directory (config, safetensors, tokenizer) for vLLM and transformers."""
-    src = gguf_path()
+def build_smollm2(dtype: str = "bfloat16", root: Path | None = None,
+                  gguf: Path | None = None) -> Path:
+    """A model directory (config, safetensors, tokenizer) for vLLM and transformers.
+    `gguf`: the package's GGUF file elsewhere (a machine without the package)."""
+    src = Path(gguf) if gguf else gguf_path()
     key = hashlib.sha256(f"{src.stat().st_size}-{dtype}".encode()).hexdigest()[:12]
     root = Path(root) if root else cache_root() / "real"
     out = root / f"smollm2-135m-instruct-{dtype}-{key}"

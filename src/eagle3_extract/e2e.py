@@ -1,0 +1,116 @@
+"""`make e2e`: the drafter check, end to end, with a control that must fail it.
+
+regenerate (the target's answers to dataset=prompts) -> extract -> eagle3-train ->
+eagle3-acceptance on held-out prompts (dataset=heldout, other topics), then the same chain
+on data broken the way users break it: states extracted one layer later than the ids say
+(the after-the-layer convention of speculators 0.3.0, SGLang and TensorRT-LLM, read as
+vLLM's), served by vLLM's convention. Each step is its own command with its own output
+dir under --out (so a rerun resumes each); the verdict compares the two first-position
+acceptances and goes to <out>/e2e.json. Exit 1 when the real drafter is below
+--min-first or the control is not far below it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from .manifest import write_json_atomic
+
+
+def _step(module: str, *overrides: str) -> None:
+    cmd = [sys.executable, "-m", f"eagle3_extract.{module}", *overrides]
+    print(f"e2e: {module} {' '.join(overrides)}", flush=True)
+    r = subprocess.run(cmd)
+    if r.returncode:
+        raise SystemExit(f"e2e: {module} exited {r.returncode}; fix it and rerun (each step "
+                         "resumes)")
+
+
+def control_layer_ids(layer_ids: list[int]) -> tuple[list[int], list[int]]:
+    """(ids to extract, ids to serve): each aux id read as 'the output of layer k', i.e.
+    our id k + 1, while the drafter is served vLLM's id k; the final state stays id N."""
+    aux, last = layer_ids[:-1], layer_ids[-1]
+    shifted = [i + 1 for i in aux]
+    if max(shifted) >= last:
+        raise SystemExit(f"e2e: aux ids {aux} leave no room for a shifted control below {last}")
+    return shifted + [last], aux
+
+
+def chain(out: Path, args: argparse.Namespace, kind: str, layers: list[str],
+          served: list[str]) -> dict[str, Any]:
+    conv = out / "regenerated" / "conversations.jsonl"
+    ext, drafter, acc = out / f"extract-{kind}", out / f"drafter-{kind}", out / f"acceptance-{kind}"
+    _step("cli", f"model={args.model}", "dataset=local", f"dataset.path={conv}",
+          f"output.dir={ext}", *layers, *args.extract_args)
+    _step("train", f"data.dir={ext}", f"train={args.train}", f"output.dir={drafter}",
+          *served, *args.train_args)
+    _step("acceptance", f"model={args.model}", f"drafter.dir={drafter / 'drafter'}",
+          f"dataset.max_samples={args.heldout}", f"acceptance.max_tokens={args.max_tokens}",
+          f"output.dir={acc}")
+    return json.loads((acc / "acceptance.json").read_text())
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="make e2e", description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="tiny", help="a model config group (tiny, smollm2, ...)")
+    ap.add_argument("--samples", type=int, default=480, help="prompts to regenerate and train on")
+    ap.add_argument("--heldout", type=int, default=160, help="held-out prompts to measure on")
+    ap.add_argument("--max-tokens", type=int, default=128, help="per answer and per measured prompt")
+    ap.add_argument("--train", default="small", help="a train config group")
+    ap.add_argument("--min-first", type=float, default=None,
+                    help="fail when the real drafter's first-position acceptance is below")
+    ap.add_argument("--control-ratio", type=float, default=0.5,
+                    help="with --min-first: fail when the control's first-position acceptance "
+                         "is above this fraction of the real one's")
+    ap.add_argument("--no-control", action="store_true")
+    ap.add_argument("--out", type=Path, default=None, help="default outputs/e2e/<model>")
+    ap.add_argument("--extract-arg", dest="extract_args", action="append", default=[])
+    ap.add_argument("--train-arg", dest="train_args", action="append", default=[])
+    args = ap.parse_args(argv)
+    out = (args.out or Path("outputs/e2e") / args.model).resolve()
+    t0 = time.monotonic()
+    _step("regenerate", f"model={args.model}", "dataset=prompts",
+          f"dataset.max_samples={args.samples}", f"generate.max_tokens={args.max_tokens}",
+          f"output.dir={out / 'regenerated'}")
+    real = chain(out, args, "real", [], [])
+    result: dict[str, Any] = {"model": args.model, "samples": args.samples,
+                              "heldout": args.heldout, "train": args.train, "real": real}
+    problems = []
+    first = real["acceptance_per_position"][0]
+    if args.min_first is not None and first < args.min_first:
+        problems.append(f"real drafter: first-position acceptance {first:.1%} < {args.min_first:.1%}")
+    if not args.no_control:
+        manifest = json.loads((out / "extract-real" / "manifest.json").read_text())
+        extract_ids, served_ids = control_layer_ids(manifest["layer_ids"])
+        control = chain(out, args, "control",
+                        ["layers=explicit", f"layers.ids=[{','.join(map(str, extract_ids))}]"],
+                        [f"train.served_layer_ids=[{','.join(map(str, served_ids))}]"])
+        result["control"] = control
+        result["control_layers"] = {"extracted": extract_ids, "served": served_ids}
+        c_first = control["acceptance_per_position"][0]
+        if args.min_first is not None and c_first > args.control_ratio * first:
+            problems.append(f"control: first-position acceptance {c_first:.1%} is not below "
+                            f"{args.control_ratio:g} x the real {first:.1%}")
+    result["problems"] = problems
+    result["seconds"] = round(time.monotonic() - t0, 1)
+    write_json_atomic(out / "e2e.json", result)
+    for name in ("real", "control"):
+        if name in result:
+            r = result[name]
+            per = " / ".join(f"{a:.1%}" for a in r["acceptance_per_position"])
+            print(f"e2e: {name:7s} acceptance per position {per}, mean acceptance length "
+                  f"{r['mean_acceptance_length']:.3f} ({r['drafts']} drafts)", flush=True)
+    for p in problems:
+        print(f"e2e: FAIL: {p}", file=sys.stderr, flush=True)
+    print(f"e2e: {'failed' if problems else 'passed'} in {result['seconds']} s ({out / 'e2e.json'})")
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

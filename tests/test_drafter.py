@@ -1,0 +1,183 @@
+"""eagle3-train and eagle3-acceptance on the real components: an extraction by our vLLM
+0.16 capture, speculators 0.9.0's trainer in its own environment, the HF loop.
+
+The drafter the module trains (tiny Llama, two optimizer steps) is not a good drafter;
+the tests check that what is served is what was trained, and that the loop is exact.
+The quality figures come from `make e2e MODEL=smollm2` (docs/QUALITY.md; CI runs it).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from eagle3_extract.e2e import control_layer_ids
+
+ROOT = Path(__file__).resolve().parents[1]
+TRAIN_PY = ROOT / ".venv-train" / "bin" / "python"
+pytestmark = pytest.mark.engine
+
+
+def cli(module: str, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+    r = subprocess.run([sys.executable, "-m", f"eagle3_extract.{module}", *args],
+                       capture_output=True, text=True, cwd=ROOT,
+                       env={**__import__("os").environ, "HF_HUB_OFFLINE": "1"})
+    if check and r.returncode:
+        raise AssertionError(f"{module} exited {r.returncode}:\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}")
+    return r
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    assert TRAIN_PY.exists(), "make venv-train builds the trainer's environment"
+    root = tmp_path_factory.mktemp("drafter")
+    cli("cli", "model=tiny", "dataset=sample", f"output.dir={root / 'x'}")
+    cli("train", f"data.dir={root / 'x'}", "train=small", "train.epochs=1", "train.max_steps=2",
+        "train.total_seq_len=512", "train.draft_vocab_size=256", f"output.dir={root / 'd'}")
+    return root
+
+
+def test_the_drafter_is_what_vllm_016_serves(trained):
+    d = trained / "d" / "drafter"
+    config = json.loads((d / "config.json").read_text())
+    manifest = json.loads((trained / "x" / "manifest.json").read_text())
+    assert config["eagle_aux_hidden_state_layer_ids"] == manifest["layer_ids"][:-1] == [2, 4, 5]
+    assert config["norm_before_fc"] is False and config["norm_output"] is False
+    assert config["draft_vocab_size"] == 256
+    assert config["transformer_layer_config"]["layer_types"] == ["full_attention"]
+    record = json.loads((d / "eagle3-train.json").read_text())
+    assert record["data"]["run_id"] == manifest["run_id"]
+    assert record["verifier"]["config_sha256"] == manifest["model"]["config_sha256"]
+    assert record["versions"]["speculators"] == "0.9.0"
+    from vllm.transformers_utils.config import patch_rope_parameters
+    from vllm.transformers_utils.configs.speculators.base import SpeculatorsConfig
+
+    served = SpeculatorsConfig.from_pretrained(str(d))
+    patch_rope_parameters(served)
+    assert served.architectures == ["Eagle3LlamaForCausalLM"]
+    assert served.rope_parameters["rope_theta"] == 10000.0  # the tiny target's
+    assert served.eagle_aux_hidden_state_layer_ids == [2, 4, 5]
+
+
+def test_check_servable_refuses_what_vllm_016_would_serve_wrongly(trained):
+    from eagle3_extract.errors import JobError
+    from eagle3_extract.train import check_servable
+
+    config = json.loads((trained / "d" / "drafter" / "config.json").read_text())
+    names = ["fc.weight", "layers.0.self_attn.q_proj.weight", "norm.weight", "lm_head.weight", "d2t"]
+    check_servable(config, names, [2, 4, 5])
+    for change, why in (({"norm_before_fc": True}, "norm_before_fc"),
+                        ({"norm_output": True}, "norm_output"),
+                        ({"eagle_aux_hidden_state_layer_ids": [3, 5, 6]}, "eagle_aux")):
+        with pytest.raises(JobError, match=why):
+            check_servable({**config, **change}, names, [2, 4, 5])
+    with pytest.raises(JobError, match="cannot load"):
+        check_servable(config, names + ["input_norm.weight"], [2, 4, 5])
+
+
+def _target_and_drafter(trained, dtype=torch.float32):
+    from transformers import AutoModelForCausalLM
+
+    from eagle3_extract.acceptance import Drafter
+
+    path = json.loads((trained / "x" / "manifest.json").read_text())["model"]["resolved_path"]
+    target = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+    drafter = Drafter(trained / "d" / "drafter", target.get_input_embeddings().weight.detach(),
+                      torch.device("cpu"), dtype)
+    return target, drafter
+
+
+def test_the_loop_drafts_what_speculators_trained(trained, tmp_path):
+    """First draft position at every token: our Drafter (vLLM 0.16's llama_eagle3 maths)
+    == speculators 0.9.0's own Eagle3DraftModel forward, on the target's aux states."""
+    target, drafter = _target_and_drafter(trained)
+    ids = torch.tensor([[1, 17, 300, 42, 9, 77, 512, 3, 64, 128, 250, 11, 900, 5, 6]])
+    with torch.no_grad():
+        hs = target(ids, output_hidden_states=True).hidden_states
+    aux = torch.cat([hs[i][0] for i in drafter.aux_ids], dim=-1)
+    nxt = ids[0, 1:].tolist() + [7]
+    torch.save({"input_ids": torch.tensor(nxt), "aux": aux}, tmp_path / "in.pt")
+    r = subprocess.run([str(TRAIN_PY), "-P", str(ROOT / "tests/scripts/drafter_first_position.py"),
+                        str(trained / "d" / "drafter"), str(tmp_path / "in.pt")],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-3000:]
+    theirs = json.loads(r.stdout.strip().splitlines()[-1])
+    with torch.no_grad():
+        ours, _ = drafter.step(torch.tensor(nxt), drafter.combine(aux), torch.arange(len(nxt)))
+    assert ours.tolist() == theirs
+
+
+def test_the_loop_is_lossless_greedy(trained):
+    """Speculative decoding changes how fast, not what: the loop's tokens are the target's
+    own greedy tokens, whatever the drafter proposes."""
+    from eagle3_extract.acceptance import Counts, HFLoop
+
+    target, drafter = _target_and_drafter(trained)
+    loop = HFLoop(target, drafter, 3, {4})
+    for prompt in ([1, 50, 60, 70], [1, 200, 13, 14, 15, 16, 17, 300]):
+        counts = Counts(3)
+        out = loop.generate(prompt, 40, counts)
+        with torch.no_grad():
+            ref = target.generate(torch.tensor([prompt]), max_new_tokens=40, do_sample=False,
+                                  eos_token_id=4, pad_token_id=5)[0, len(prompt):].tolist()
+        assert out == ref
+        assert counts.drafts >= 1 and counts.accepted[0] >= counts.accepted[1] >= counts.accepted[2]
+        # each verify step adds its accepted drafts and one token of the target's own;
+        # the last may be cut at EOS or max_tokens
+        assert len(out) <= 1 + counts.drafts + sum(counts.accepted) <= len(out) + 3
+
+
+def test_acceptance_job_reports_and_gates(trained):
+    d = trained / "d" / "drafter"
+    out = trained / "acc"
+    r = cli("acceptance", "model=tiny", f"drafter.dir={d}", "dataset=sample",
+            "dataset.max_samples=3", "acceptance.max_tokens=24", f"output.dir={out}")
+    rep = json.loads((out / "acceptance.json").read_text())
+    assert rep["prompts"] == 3 and rep["engine"] == "hf" and rep["aux_layer_ids"] == [2, 4, 5]
+    assert len(rep["acceptance_per_position"]) == 3 and rep["drafts"] > 0
+    assert rep["mean_acceptance_length"] == pytest.approx(
+        1 + sum(rep["accepted_per_position"]) / rep["drafts"], abs=1e-4)
+    assert "mean acceptance length" in r.stdout
+    r = cli("acceptance", "model=tiny", f"drafter.dir={d}", "dataset=sample",
+            "dataset.max_samples=1", "acceptance.max_tokens=8", f"output.dir={out}-2",
+            "acceptance.min_first_position=1.0", check=False)
+    first = json.loads((Path(f"{out}-2") / "acceptance.json").read_text())["acceptance_per_position"][0]
+    assert (r.returncode == 1) == (first < 1.0)
+    if first < 1.0:
+        assert "below acceptance.min_first_position" in r.stderr
+
+
+def test_preflight_errors_are_one_line_exit_2(trained, tmp_path):
+    d = trained / "d" / "drafter"
+    cases = [
+        ("acceptance", ["model=tiny", f"drafter.dir={d}", "engine=vllm",
+                        f"output.dir={tmp_path / 'a'}"], "no speculative decoding"),
+        ("acceptance", ["model=smollm2", f"drafter.dir={d}", f"output.dir={tmp_path / 'b'}"],
+         "not the model the drafter was trained for"),
+        ("acceptance", ["model=tiny", f"drafter.dir={tmp_path}", f"output.dir={tmp_path / 'c'}"],
+         "has no config.json"),
+        ("train", [f"data.dir={trained / 'x'}", "train.python=/nonexistent/python",
+                   f"output.dir={tmp_path / 'd'}"], "make venv-train"),
+        ("train", [f"data.dir={trained / 'x'}", "train=small", "train.epochs=3",
+                   f"output.dir={trained / 'd'}"], "different data-determining config"),
+        ("train", [f"data.dir={trained / 'x'}", "train.served_layer_ids=[1,2]",
+                   f"output.dir={tmp_path / 'e'}"], "must be 3 ids"),
+        ("train", [f"data.dir={tmp_path}", f"output.dir={tmp_path / 'f'}"], "no manifest"),
+        ("train", [f"data.dir={trained / 'x'}", "train.epoch=3"], "epoch"),
+    ]
+    for module, args, text in cases:
+        r = cli(module, *args, check=False)
+        assert r.returncode == 2, (module, args, r.stdout[-500:], r.stderr[-2000:])
+        err = r.stderr.strip().splitlines()
+        assert len(err) == 1 and text in err[0], (args, r.stderr[-2000:])
+
+
+def test_control_layer_ids_read_aux_ids_as_layer_outputs():
+    assert control_layer_ids([2, 15, 27, 30]) == ([3, 16, 28, 30], [2, 15, 27])
+    with pytest.raises(SystemExit):
+        control_layer_ids([2, 3, 4, 5])
