@@ -23,8 +23,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import signal
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,7 +31,7 @@ from typing import Any
 import torch
 
 from .config import validate_acceptance
-from .errors import Interrupted, JobError, PreflightError
+from .errors import JobError, PreflightError
 from .manifest import write_json_atomic
 
 log = logging.getLogger("eagle3_extract")
@@ -465,22 +463,9 @@ def run(cfg: Any) -> dict[str, Any]:
 
 
 def _task(cfg: Any) -> None:
-    from .cli import quiet_engine_logs
+    from .cli import run_guarded
 
-    quiet_engine_logs(bool(cfg.verbose))
-    try:
-        run(cfg)
-    except PreflightError as e:
-        print(f"{PROG}: error: {e}", file=sys.stderr, flush=True)
-        sys.exit(2)
-    except (KeyboardInterrupt, Interrupted) as e:
-        signum = getattr(e, "signum", signal.SIGINT)
-        print(f"{PROG}: interrupted by {signal.Signals(signum).name}", file=sys.stderr,
-              flush=True)
-        sys.exit(128 + signum)
-    except JobError as e:
-        print(f"{PROG}: {e}", file=sys.stderr, flush=True)
-        sys.exit(e.exit_code)
+    run_guarded(PROG, run, cfg, "")
 
 
 def main() -> None:

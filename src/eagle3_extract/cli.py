@@ -28,31 +28,41 @@ def quiet_engine_logs(verbose: bool) -> None:
         os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 
-def _task(cfg: DictConfig) -> None:
-    from . import job, parallel
-
+def run_guarded(prog: str, fn: Any, cfg: DictConfig, interrupted: str) -> None:
+    """Run a job's `fn(cfg)` with the exits every command of ours shares: a preflight or
+    config error is one line and exit 2, a signal 128 + its number, a JobError its own code."""
     quiet_engine_logs(bool(cfg.verbose))
     try:
-        if int(cfg.parallel.data_parallel_size) > 1:
-            rc = parallel.launch_hydra_job(cfg)
-            if rc:
-                sys.exit(rc)
-            return
-        parallel.die_with_launcher()  # a replica: no orphan outlives its launcher
-        job.run(cfg)
+        fn(cfg)
     except PreflightError as e:
         log.error("preflight: %s", e)
-        print(f"eagle3-extract: error: {e}", file=sys.stderr, flush=True)
+        print(f"{prog}: error: {e}", file=sys.stderr, flush=True)
         sys.exit(2)
     except (KeyboardInterrupt, Interrupted) as e:  # before the job's own handling began
         signum = getattr(e, "signum", signal.SIGINT)
-        print(f"eagle3-extract: interrupted by {signal.Signals(signum).name} before "
-              "extraction started", file=sys.stderr, flush=True)
+        print(f"{prog}: interrupted by {signal.Signals(signum).name}{interrupted}",
+              file=sys.stderr, flush=True)
         sys.exit(128 + signum)
     except JobError as e:
         log.error("%s", e)
-        print(f"eagle3-extract: {e}", file=sys.stderr, flush=True)
+        print(f"{prog}: {e}", file=sys.stderr, flush=True)
         sys.exit(e.exit_code)
+
+
+def _extract(cfg: DictConfig) -> None:
+    from . import job, parallel
+
+    if int(cfg.parallel.data_parallel_size) > 1:
+        rc = parallel.launch_hydra_job(cfg)
+        if rc:
+            sys.exit(rc)
+        return
+    parallel.die_with_launcher()  # a replica: no orphan outlives its launcher
+    job.run(cfg)
+
+
+def _task(cfg: DictConfig) -> None:
+    run_guarded("eagle3-extract", _extract, cfg, " before extraction started")
 
 
 # Hydra's own flags; those that take a value take the next argument.

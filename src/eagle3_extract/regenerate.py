@@ -437,35 +437,24 @@ def assemble(plan: Plan) -> dict[str, Any] | None:
 # --- command line ---------------------------------------------------------------------------
 
 
+def _regenerate(cfg: DictConfig) -> None:
+    if int(cfg.parallel.data_parallel_size) > 1:
+        from . import parallel
+
+        rc = parallel.launch_hydra_job(cfg, regenerate=True)
+        if rc:
+            sys.exit(rc)
+        return
+    from .parallel import die_with_launcher
+
+    die_with_launcher()
+    run(cfg)
+
+
 def _task(cfg: DictConfig) -> None:
-    from .cli import quiet_engine_logs
-    from .errors import JobError
+    from .cli import run_guarded
 
-    quiet_engine_logs(bool(cfg.verbose))
-    try:
-        if int(cfg.parallel.data_parallel_size) > 1:
-            from . import parallel
-
-            rc = parallel.launch_hydra_job(cfg, regenerate=True)
-            if rc:
-                sys.exit(rc)
-            return
-        from .parallel import die_with_launcher
-
-        die_with_launcher()
-        run(cfg)
-    except PreflightError as e:
-        log.error("preflight: %s", e)
-        print(f"eagle3-regenerate: error: {e}", file=sys.stderr, flush=True)
-        sys.exit(2)
-    except (KeyboardInterrupt, Interrupted) as e:
-        signum = getattr(e, "signum", signal.SIGINT)
-        print(f"eagle3-regenerate: interrupted by {signal.Signals(signum).name}; rerun the "
-              "same command to resume", file=sys.stderr, flush=True)
-        sys.exit(128 + signum)
-    except JobError as e:
-        print(f"eagle3-regenerate: {e}", file=sys.stderr, flush=True)
-        sys.exit(e.exit_code)
+    run_guarded("eagle3-regenerate", _regenerate, cfg, "; rerun the same command to resume")
 
 
 def main() -> None:

@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 
 from .config import ConfigError, validate_train
-from .errors import Interrupted, JobError, PreflightError
+from .errors import JobError, PreflightError
 from .export import ExportError, export
 from .lock import ShardLock
 from .manifest import check_run_json, file_sha256, write_json_atomic, write_run_json
@@ -380,22 +380,9 @@ def run(cfg: Any) -> dict[str, Any]:
 
 
 def _task(cfg: Any) -> None:
-    from .cli import quiet_engine_logs
+    from .cli import run_guarded
 
-    quiet_engine_logs(bool(cfg.verbose))
-    try:
-        run(cfg)
-    except PreflightError as e:
-        print(f"{PROG}: error: {e}", file=sys.stderr, flush=True)
-        sys.exit(2)
-    except (KeyboardInterrupt, Interrupted) as e:
-        signum = getattr(e, "signum", signal.SIGINT)
-        print(f"{PROG}: interrupted by {signal.Signals(signum).name}; rerun the same command "
-              "to resume from the last epoch checkpoint", file=sys.stderr, flush=True)
-        sys.exit(128 + signum)
-    except JobError as e:
-        print(f"{PROG}: {e}", file=sys.stderr, flush=True)
-        sys.exit(e.exit_code)
+    run_guarded(PROG, run, cfg, "; rerun the same command to resume from the last epoch checkpoint")
 
 
 def main() -> None:
