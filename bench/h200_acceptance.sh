@@ -7,9 +7,11 @@
 #   A: carry .gpu-bundle/{whlA,install-on-device.sh} .gpu-stage/a      -> ... A
 #   B: carry .gpu-bundle/{whlB,vllm016-py.zip,whlC,install-on-device.sh} .gpu-stage/b -> ... B
 #   C: carry .gpu-stage/c                                               -> ... C
-#   D: carry .gpu-stage/d (last piece, drafters, prompts settings)      -> ... run
+#   D: carry .gpu-stage/d (last piece, drafters)                        -> ... vllm
+#   E: carry .gpu-stage/d                                               -> ... hf
+# (vllm: vLLM's speculative decoding with both drafters; hf: our loop, real drafter, bf16.)
 set -uo pipefail
-step=${1:?stage|A|B|C|run}
+step=${1:?stage|A|B|C|vllm|hf}
 OUT=${OUT:-/tmp/acceptance-results}
 GGUF=SmolLM2-135M-Instruct.Q4_1.gguf
 
@@ -23,6 +25,7 @@ if [[ $step == stage ]]; then  # here: split the GGUF, drafters without their em
   tail -c +88000001 "$gguf" > .gpu-stage/d/part.3
   sha256sum "$gguf" | cut -d' ' -f1 > .gpu-stage/d/gguf.sha256
   for kind in real control; do
+    [[ -f $src/drafter-$kind/drafter/model.safetensors ]] || continue
     .venv/bin/python - "$src/drafter-$kind/drafter" ".gpu-stage/d/drafter-$kind" <<'PY'
 import shutil, sys
 from pathlib import Path
@@ -33,7 +36,8 @@ w = load_file(str(src / "model.safetensors"))
 w.pop("embed_tokens.weight")  # a frozen copy of the target's; vLLM and the loop share it
 save_file(w, str(dst / "model.safetensors"))
 for name in ("config.json", "eagle3-train.json"):
-    shutil.copy2(src / name, dst / name)
+    if (src / name).exists():  # an epoch checkpoint has no eagle3-train.json
+        shutil.copy2(src / name, dst / name)
 PY
   done
   du -sh .gpu-stage/*
@@ -48,26 +52,34 @@ case $step in
        .gpu-bundle/whlC/*.whl || exit 3 ;;
 esac
 cp .gpu-stage/*/part.* /tmp/stage/ 2> /dev/null
-[[ $step == run ]] || { ls -la /tmp/stage; exit 0; }
+[[ $step == vllm || $step == hf ]] || { ls -la /tmp/stage; exit 0; }
 
 export PYTHONPATH=/tmp/site:$PWD/src VLLM_WORKER_MULTIPROC_METHOD=spawn PYTHONUNBUFFERED=1
-cat /tmp/stage/part.0 /tmp/stage/part.1 /tmp/stage/part.2 /tmp/stage/part.3 > "/tmp/stage/$GGUF"
+if [[ ! -f /tmp/stage/$GGUF ]]; then
+  cat /tmp/stage/part.0 /tmp/stage/part.1 /tmp/stage/part.2 /tmp/stage/part.3 > "/tmp/stage/$GGUF"
+fi
 [[ $(sha256sum "/tmp/stage/$GGUF" | cut -d' ' -f1) == $(cat .gpu-stage/d/gguf.sha256) ]] \
   || { echo "the GGUF pieces do not reassemble (a call was lost): start again at A" >&2; exit 3; }
 model=$(python3 -c "
 from pathlib import Path; from eagle3_extract.smollm2 import build_smollm2
 print(build_smollm2(root=Path('/tmp/real'), gguf=Path('/tmp/stage/$GGUF')))") || exit 3
-n=${HELDOUT:-160}
-common=(model=smollm2 "model.path=$model" "dataset.max_samples=$n" acceptance.max_tokens=128)
+sha256sum "$model/config.json"
+common=(model=smollm2 "model.path=$model" "dataset.max_samples=${HELDOUT:-160}"
+        acceptance.max_tokens=128)
 kit=('+engine.vllm_args.attention_config={backend:TRITON_ATTN}'
      '+engine.vllm_args.compilation_config={custom_ops:[none]}'
      model.gpu_memory_utilization=0.5)
-for kind in real control; do
-  d=.gpu-stage/d/drafter-$kind
-  timeout 200 python3 -m eagle3_extract.acceptance "${common[@]}" "drafter.dir=$d" engine=vllm \
-    "${kit[@]}" "output.dir=$OUT/vllm-$kind" > "$OUT/vllm-$kind.log" 2>&1
-  echo "vllm $kind rc=$?"; grep eagle3-acceptance "$OUT/vllm-$kind.log" | tail -2
-  timeout 150 python3 -m eagle3_extract.acceptance "${common[@]}" "drafter.dir=$d" engine=hf \
-    acceptance.hf_dtype=bfloat16 "output.dir=$OUT/hf-$kind" > "$OUT/hf-$kind.log" 2>&1
-  echo "hf $kind rc=$?"; grep eagle3-acceptance "$OUT/hf-$kind.log" | tail -2
-done
+if [[ $step == vllm ]]; then
+  for kind in real control; do
+    [[ -d .gpu-stage/d/drafter-$kind ]] || continue
+    timeout 240 python3 -m eagle3_extract.acceptance "${common[@]}" \
+      "drafter.dir=.gpu-stage/d/drafter-$kind" engine=vllm "${kit[@]}" \
+      "output.dir=$OUT/vllm-$kind" > "$OUT/vllm-$kind.log" 2>&1
+    echo "vllm $kind rc=$?"; grep -a eagle3-acceptance "$OUT/vllm-$kind.log" | tail -3
+  done
+else
+  timeout 500 python3 -m eagle3_extract.acceptance "${common[@]}" \
+    drafter.dir=.gpu-stage/d/drafter-real engine=hf acceptance.hf_dtype=bfloat16 \
+    "output.dir=$OUT/hf-real" > "$OUT/hf-real.log" 2>&1
+  echo "hf real rc=$?"; grep -a eagle3-acceptance "$OUT/hf-real.log" | tail -3
+fi

@@ -181,3 +181,62 @@ def test_control_layer_ids_read_aux_ids_as_layer_outputs():
     assert control_layer_ids([2, 15, 27, 30]) == ([3, 16, 28, 30], [2, 15, 27])
     with pytest.raises(SystemExit):
         control_layer_ids([2, 3, 4, 5])
+
+
+def _trainers(out: Path) -> list[str]:
+    ps = subprocess.run(["ps", "-ww", "-eo", "pid,args"], capture_output=True, text=True).stdout
+    return [ln for ln in ps.splitlines() if "trainer_launch.py" in ln and str(out) in ln]
+
+
+def test_sigterm_stops_the_trainer_and_a_rerun_finishes(trained):
+    import os
+    import signal
+    import time
+
+    out = trained / "d-term"
+    args = [sys.executable, "-m", "eagle3_extract.train", f"data.dir={trained / 'x'}",
+            "train=small", "train.epochs=20", "train.total_seq_len=256",
+            "train.draft_vocab_size=256", f"output.dir={out}"]
+    proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    deadline = time.monotonic() + 120
+    while not _trainers(out) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert _trainers(out), "the trainer never started"
+    time.sleep(3)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=180)
+    assert proc.returncode == 128 + signal.SIGTERM, err[-2000:]
+    assert "interrupted by SIGTERM" in err
+    assert not _trainers(out), "the trainer outlived eagle3-train"
+    assert not (out / "drafter").exists()
+    r = subprocess.run(args, cwd=ROOT, capture_output=True, text=True,
+                       env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert (out / "drafter" / "model.safetensors").is_file()
+
+
+def test_the_control_last_layer_is_hfs_post_norm_state(trained, tmp_path):
+    """e2e's control: the last layer becomes HF's hidden_states[-1] (after the final norm),
+    the other layers stay; a rerun rewrites nothing (never normed twice)."""
+    import shutil
+
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from eagle3_extract.e2e import post_norm_last_layer
+
+    root = tmp_path / "x"
+    shutil.copytree(trained / "x", root, ignore=shutil.ignore_patterns(".locks"))
+    before = {p.name: load_file(str(p)) for p in sorted((root / "data").rglob("*.safetensors"))[:3]}
+    n = post_norm_last_layer(root)
+    assert n == len(list((root / "data").rglob("*.safetensors"))) and post_norm_last_layer(root) == 0
+    path = json.loads((root / "manifest.json").read_text())["model"]["resolved_path"]
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+    for p in sorted((root / "data").rglob("*.safetensors"))[:3]:
+        t = load_file(str(p))
+        assert torch.equal(t["hidden_states"][:, :-1], before[p.name]["hidden_states"][:, :-1])
+        with torch.no_grad():
+            hf = model(t["input_ids"][None], output_hidden_states=True).hidden_states[-1][0]
+        err = (t["hidden_states"][:, -1].float() - hf.float()).norm(dim=-1) / hf.float().norm(dim=-1)
+        assert err.max() < 0.05, err.max()

@@ -2,12 +2,13 @@
 
 regenerate (the target's answers to dataset=prompts) -> extract -> eagle3-train ->
 eagle3-acceptance on held-out prompts (dataset=heldout, other topics), then the same chain
-on data broken the way users break it: states extracted one layer later than the ids say
-(the after-the-layer convention of speculators 0.3.0, SGLang and TensorRT-LLM, read as
-vLLM's), served by vLLM's convention. Each step is its own command with its own output
-dir under --out (so a rerun resumes each); the verdict compares the two first-position
-acceptances and goes to <out>/e2e.json. Exit 1 when the real drafter is below
---min-first or the control is not far below it.
+on data broken the way users break it: the states a tool counting layer *outputs* gets
+from HF transformers' `output_hidden_states` (`hidden_states[k + 1]` for "layer k", and
+`hidden_states[-1]` for the last layer, which HF returns after the final norm), with the
+drafter served by vLLM's convention (id k = the stream entering layer k). Each step is its
+own command with its own output dir under --out (so a rerun resumes each); the verdict
+compares the two first-position acceptances and goes to <out>/e2e.json. Exit 1 when the
+real drafter is below --min-first or the control is not far below it.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from .manifest import write_json_atomic
+
+CONTROL_MARK = "e2e_control"  # sample metadata: the last layer was replaced by its post-norm
 
 
 def _step(module: str, *overrides: str) -> None:
@@ -42,12 +45,56 @@ def control_layer_ids(layer_ids: list[int]) -> tuple[list[int], list[int]]:
     return shifted + [last], aux
 
 
+def post_norm_last_layer(root: Path) -> int:
+    """Replace each sample's last layer (id N, before the final norm) by the final norm's
+    output, as HF's `hidden_states[-1]` is; files already done are skipped (marked in
+    their metadata), each rewritten whole through a temp file. Returns files rewritten."""
+    import os
+
+    import torch
+    from safetensors import safe_open
+
+    from .layout import sample_temp
+    from .writer import save_safetensors
+
+    manifest = json.loads((root / "manifest.json").read_text())
+    model = Path(manifest["model"]["resolved_path"])
+    eps = float(json.loads((model / "config.json").read_text()).get("rms_norm_eps", 1e-6))
+    weight = None
+    for f in sorted(model.glob("*.safetensors")):
+        with safe_open(str(f), "pt") as st:
+            if "model.norm.weight" in st.keys():
+                weight = st.get_tensor("model.norm.weight")
+    if weight is None:
+        raise SystemExit(f"e2e: {model} has no model.norm.weight (a Llama-style final norm)")
+    done = 0
+    for path in sorted((root / "data").rglob("*.safetensors")):
+        with safe_open(str(path), "pt") as st:
+            meta = st.metadata() or {}
+            if meta.get(CONTROL_MARK):
+                continue
+            tensors = {k: st.get_tensor(k) for k in st.keys()}
+        hs = tensors["hidden_states"]
+        last = hs[:, -1].float()
+        normed = last * torch.rsqrt(last.pow(2).mean(-1, keepdim=True) + eps)
+        hs[:, -1] = weight.to(hs.dtype) * normed.to(hs.dtype)  # HF LlamaRMSNorm's order
+        tmp = sample_temp(path)
+        save_safetensors(tensors, tmp, {**meta, CONTROL_MARK: "last layer after the final norm"})
+        os.replace(tmp, path)
+        done += 1
+    return done
+
+
 def chain(out: Path, args: argparse.Namespace, kind: str, layers: list[str],
           served: list[str]) -> dict[str, Any]:
     conv = out / "regenerated" / "conversations.jsonl"
     ext, drafter, acc = out / f"extract-{kind}", out / f"drafter-{kind}", out / f"acceptance-{kind}"
     _step("cli", f"model={args.model}", "dataset=local", f"dataset.path={conv}",
           f"output.dir={ext}", *layers, *args.extract_args)
+    if kind == "control":
+        n = post_norm_last_layer(ext)
+        print(f"e2e: control: the last layer of {n} sample files replaced by its post-norm "
+              "state (HF hidden_states[-1])", flush=True)
     _step("train", f"data.dir={ext}", f"train={args.train}", f"output.dir={drafter}",
           *served, *args.train_args)
     _step("acceptance", f"model={args.model}", f"drafter.dir={drafter / 'drafter'}",

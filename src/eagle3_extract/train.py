@@ -237,6 +237,17 @@ def trainer_args(plan: Plan, export_dir: Path, d2t: Path, t2d: Path) -> list[str
     return args + [str(a) for a in t.extra_args]
 
 
+def _term_with_parent() -> None:
+    """In the trainer (Linux): SIGTERM when eagle3-train dies, even by SIGKILL, so no
+    trainer outlives it (speculators saves and stops on SIGTERM; a rerun resumes)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 def _run_trainer(plan: Plan, args: list[str]) -> None:
     launcher = Path(__file__).with_name("trainer_launch.py")
     logf = plan.out / "train.log"
@@ -251,7 +262,8 @@ def _run_trainer(plan: Plan, args: list[str]) -> None:
         f.write(f"\n# {time.strftime('%Y-%m-%dT%H:%M:%S%z')} {' '.join(cmd)}\n")
         f.flush()
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True, env=env, start_new_session=True)
+                                text=True, env=env, start_new_session=True,
+                                preexec_fn=_term_with_parent)
         try:
             for line in proc.stdout:
                 f.write(line)
@@ -262,9 +274,13 @@ def _run_trainer(plan: Plan, args: list[str]) -> None:
                     print(f"{PROG}: training ({_epochs_done(plan)}/{plan.cfg.train.epochs} "
                           f"epochs saved, {last - t0:.0f} s)", flush=True)
             rc = proc.wait()
-        except BaseException:
+        except BaseException:  # a signal (SIGTERM raises Interrupted, see run) or an error
             os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait()
+            try:
+                proc.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
             raise
     if rc:
         tail = [ln for ln in logf.read_text().splitlines() if ln.strip()][-1:]
@@ -357,7 +373,10 @@ def _publish(plan: Plan, ckpt: Path, versions: dict[str, str], seconds: float) -
 
 
 def run(cfg: Any) -> dict[str, Any]:
+    from .errors import raise_interrupted
+
     t0 = time.monotonic()
+    signal.signal(signal.SIGTERM, raise_interrupted)  # the trainer is stopped, not orphaned
     plan = preflight(cfg)
     try:
         print(f"{PROG}: {plan.manifest.counts.get('written')} samples of {plan.data} -> "
