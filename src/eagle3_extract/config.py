@@ -131,7 +131,9 @@ class GenerateConfig:
 
 
 @dataclass
-class RegenerateOutputConfig:
+class OutputDirConfig:
+    """output.dir of the jobs that write one directory (regenerate, train, acceptance)."""
+
     dir: str = MISSING
 
 
@@ -161,7 +163,7 @@ class RegenerateConfig(JobConfig):
     """eagle3-regenerate (conf/regenerate.yaml)."""
 
     generate: GenerateConfig = field(default_factory=GenerateConfig)
-    output: RegenerateOutputConfig = field(default_factory=RegenerateOutputConfig)
+    output: OutputDirConfig = field(default_factory=OutputDirConfig)
 
 
 @dataclass
@@ -194,17 +196,12 @@ class TrainSettings:
 
 
 @dataclass
-class TrainOutputConfig:
-    dir: str = MISSING
-
-
-@dataclass
 class TrainJobConfig:
     """eagle3-train (conf/train.yaml)."""
 
     data: TrainDataConfig = field(default_factory=TrainDataConfig)
     train: TrainSettings = field(default_factory=TrainSettings)
-    output: TrainOutputConfig = field(default_factory=TrainOutputConfig)
+    output: OutputDirConfig = field(default_factory=OutputDirConfig)
     dry_run: bool = False
     verbose: bool = False  # the trainer's own log lines on the terminal
 
@@ -233,7 +230,7 @@ class AcceptanceConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
     drafter: DrafterConfig = field(default_factory=DrafterConfig)
     acceptance: AcceptanceSettings = field(default_factory=AcceptanceSettings)
-    output: TrainOutputConfig = field(default_factory=TrainOutputConfig)
+    output: OutputDirConfig = field(default_factory=OutputDirConfig)
     dry_run: bool = False
     verbose: bool = False
 
