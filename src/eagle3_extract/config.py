@@ -25,6 +25,8 @@ ASSETS = Path(__file__).resolve().parent / "assets"
 
 OVERLONG_POLICIES = ("truncate", "skip")
 OUTPUT_FORMATS = ("safetensors", "speculators_pt")
+OUTPUT_DTYPES = ("model", "fp8")  # quant.py
+FP8_SCALES = ("token", "token_layer")
 ENGINES = ("vllm", "hf")
 DATASET_FORMATS = ("auto", "jsonl", "json", "parquet", "hub")
 TURN_MODES = ("all", "last")
@@ -84,6 +86,9 @@ class OutputConfig:
     name: str = MISSING
     dir: str = MISSING
     format: str = "safetensors"
+    # "model": the states in the model's dtype; "fp8": e4m3 + float32 scales (quant.py)
+    dtype: str = "model"
+    fp8_scale: str = "token"  # fp8 only: one scale per token, or per token and layer
     files_per_dir: int = 10000
     writer_threads: int = 2
     # vocab/d2t.npy + t2d.npy from the loss-token counts (speculators' layout); null: none
@@ -342,6 +347,16 @@ def validate(cfg: Any) -> None:
     """Value checks that the schema's types cannot express. Raises ConfigError."""
     _validate_job(cfg)
     _choice("output.format", cfg.output.format, OUTPUT_FORMATS)
+    _choice("output.dtype", cfg.output.dtype, OUTPUT_DTYPES)
+    _choice("output.fp8_scale", cfg.output.fp8_scale, FP8_SCALES)
+    if cfg.output.dtype == "fp8" and cfg.output.format != "safetensors":
+        raise ConfigError(f"output.dtype=fp8 needs output.format=safetensors (speculators "
+                          f"0.9.0's fp8 layout); {cfg.output.format} has no scales")
+    if (cfg.output.dtype == "fp8" and cfg.output.fp8_scale == "token"
+            and cfg.model.pipeline_parallel_size > 1):
+        raise ConfigError("output.fp8_scale=token spans every layer, which pipeline stages "
+                          "capture apart: set output.fp8_scale=token_layer with "
+                          "model.pipeline_parallel_size > 1")
     _positive("engine.host_buffers", cfg.engine.host_buffers)
     _positive("output.files_per_dir", cfg.output.files_per_dir)
     _positive("output.writer_threads", cfg.output.writer_threads)

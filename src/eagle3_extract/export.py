@@ -7,7 +7,9 @@ speculators >= 0.5 trains from an Arrow dataset (`datasets.load_from_disk(OUT)`,
 whose `token_ids` differ from the row's `input_ids`; it takes the last layer as the
 verifier's final state, before the final norm (it applies the verifier's norm itself):
 exactly our id N. Rows follow the sample index; the draft vocabulary (vocab/) and a
-record of the source (export.json) go along.
+record of the source (export.json) go along. fp8 extractions (output.dtype=fp8) stay
+fp8: the files keep `hidden_states_scales` as hs_connectors' fp8 backend reads them
+(`--hidden-states-backend fp8`, which dequantizes; export.json says `fp8`).
 
 speculators 0.9.0 needs transformers >= 5, so it cannot share the vLLM 0.16
 environment: `make venv-train` builds its own (requirements/train*.lock).
@@ -24,10 +26,11 @@ from pathlib import Path
 
 import torch
 
-from .layout import verified_files
+from .layout import SCALES_KEY, Storage, verified_files
 from .manifest import write_json_atomic
 from .token_freq import VOCAB_DIR
-from .validate import load_manifests, load_sample, states_tensor
+from .quant import states_tensor
+from .validate import load_manifests, load_sample
 from .writer import save_safetensors
 
 FORMAT = "speculators-0.9"
@@ -46,6 +49,7 @@ def export(root: Path, out: Path) -> dict:
         why = problems[0].message if problems else "not every shard is complete"
         raise ExportError(f"{root}: {why}; finish the extraction first (eagle3-status)")
     fmt = str(manifests[0].config["output"]["format"])
+    fp8 = Storage.from_output(manifests[0].config["output"]).fp8
     whole, damaged = verified_files(root, fmt)
     if damaged:
         raise ExportError(f"{root}: {len(damaged)} sample files are not whole (e.g. index "
@@ -64,7 +68,11 @@ def export(root: Path, out: Path) -> dict:
         tensors, _ = load_sample(Path(whole[index].path), fmt)
         states = states_tensor(tensors["hidden_states"])
         ids = tensors["input_ids"].to(torch.int64)
-        save_safetensors({"token_ids": ids, "hidden_states": states.contiguous()},
+        extra = {SCALES_KEY: tensors[SCALES_KEY]} if fp8 else {}
+        if fp8 != (SCALES_KEY in tensors):
+            raise ExportError(f"{whole[index].path}: {'no' if fp8 else ''} scales, the "
+                              f"manifest says output.dtype={'fp8' if fp8 else 'model'}")
+        save_safetensors({"token_ids": ids, "hidden_states": states.contiguous(), **extra},
                          tmp / HS_DIR / f"hs_{row}.safetensors", metadata={
                              "sample_index": str(index),
                              "layer_ids": json.dumps(manifests[0].layer_ids)})
@@ -79,6 +87,7 @@ def export(root: Path, out: Path) -> dict:
         shutil.copytree(root / VOCAB_DIR, tmp / VOCAB_DIR)
     record = {"format": FORMAT, "source": str(root), "run_id": manifests[0].run_id,
               "layer_ids": manifests[0].layer_ids, "rows": len(whole),
+              "hidden_states": "fp8" if fp8 else manifests[0].model["dtype"],
               "last_layer": "id N, before the final norm (the trainer applies the verifier's)",
               "seconds": round(time.perf_counter() - t0, 3)}
     write_json_atomic(tmp / "export.json", record)

@@ -33,6 +33,7 @@ from .errors import Interrupted, JobError, raise_interrupted
 from .data import Renderer, Tokenized, build_dataset, load_tokenizer, read_nonempty
 from .lock import ShardLock
 from .layout import (
+    Storage,
     clean_stale_temps,
     file_bytes,
     finished_indices,
@@ -87,6 +88,8 @@ class Plan:
     damaged: dict[int, str]  # final files of this shard that were not whole: removed, redone
     preflight_s: float
     lock: ShardLock | None = None  # this job's shard of root, until close()
+    storage: Storage = Storage()  # how the states are stored (output.dtype)
+    disk_need: int = 0  # bytes the files still to write take, about (bytes_needed)
 
     def close(self) -> None:
         if self.lock is not None:
@@ -214,7 +217,8 @@ def preflight(cfg: Any) -> Plan:
         whole, broken = verified_files(root, fmt)  # names are not trusted: headers are read
         damaged = {i: why for i, why in broken.items() if i % count == index}
         todo = mine.select(todo_mask(mine.indices, whole))
-        _check_disk(root, info, layer_ids, todo)
+        storage = Storage.from_output(cfg.output)
+        disk_need = _check_disk(root, info, layer_ids, todo, storage)
         if not resuming:  # shards starting together need not all rewrite it
             write_run_json(root, ident)
         for i in damaged:  # redone by this run
@@ -229,25 +233,32 @@ def preflight(cfg: Any) -> Plan:
         cfg=cfg, resolved=resolved, root=root, info=info, layer_ids=layer_ids, ident=ident,
         mine=mine, todo=todo, resumed=len(mine) - len(todo), stale_temps=stale,
         damaged=damaged, preflight_s=time.perf_counter() - t0, lock=lock,
+        storage=storage, disk_need=disk_need,
     )
 
 
-def bytes_needed(info: Any, layer_ids: list[int], tokens: int, samples: int) -> int:
-    """Disk for `samples` files of `tokens` tokens in all (states + ids + mask + headers)."""
-    per_token = len(layer_ids) * info.hidden_size * info.dtype.itemsize + 9
+def bytes_needed(info: Any, layer_ids: list[int], tokens: int, samples: int,
+                 storage: Storage = Storage()) -> int:
+    """Disk for `samples` files of `tokens` tokens in all (states, scales, ids, mask,
+    headers)."""
+    per_token = storage.bytes_per_token(len(layer_ids), info.hidden_size, info.dtype) + 9
     return tokens * per_token + samples * 4096
 
 
-def _check_disk(root: Path, info: Any, layer_ids: list[int], todo: Tokenized) -> None:
-    need = bytes_needed(info, layer_ids, int(todo.lengths.sum()), len(todo))
+def _check_disk(root: Path, info: Any, layer_ids: list[int], todo: Tokenized,
+                storage: Storage) -> int:
+    need = bytes_needed(info, layer_ids, int(todo.lengths.sum()), len(todo), storage)
     free = shutil.disk_usage(root).free
     if need > free:
+        per = storage.bytes_per_token(len(layer_ids), info.hidden_size, info.dtype)
         raise PreflightError(
             f"output.dir={str(root)!r}: {len(todo)} samples need about {need / 1e9:.2f} GB "
-            f"({int(todo.lengths.sum())} tokens x {len(layer_ids)} layers x hidden "
-            f"{info.hidden_size} x {info.dtype.itemsize} bytes), only {free / 1e9:.2f} GB "
-            "free; free space, set output.dir elsewhere, or lower dataset.max_samples"
+            f"({int(todo.lengths.sum())} tokens x {per} bytes: {len(layer_ids)} layers x "
+            f"hidden {info.hidden_size}, {storage.dtype}), only {free / 1e9:.2f} GB "
+            "free; free space, set output.dir elsewhere, output=fp8 (half the bytes), or "
+            "lower dataset.max_samples"
         )
+    return need
 
 
 @dataclass
@@ -294,7 +305,8 @@ def extraction_loop(engine: Engine, writer: Writer, batches: Iterable[Batch],
 def new_writer(plan: Plan, engine: Engine, on_sample: Callable | None = None) -> Writer:
     cfg = plan.cfg
     return Writer(plan.root, str(cfg.output.format), int(cfg.output.files_per_dir),
-                  plan.layer_ids, plan.info.hidden_size, plan.info.dtype,
+                  plan.layer_ids, plan.info.hidden_size,
+                  plan.storage.stored_dtype(plan.info.dtype),
                   plan.ident["run_id"], threads=int(cfg.output.writer_threads),
                   max_pending=int(cfg.engine.host_buffers), on_sample=on_sample)
 
@@ -346,6 +358,12 @@ def _run(plan: Plan, t_start: float) -> dict[str, Any]:
         plan.preflight_s, len(mine), int(mine.lengths.sum()), plan.resumed, len(todo),
         plan.layer_ids, root,
     )
+    per_token = plan.storage.bytes_per_token(len(plan.layer_ids), plan.info.hidden_size,
+                                             plan.info.dtype)
+    log.info("disk: about %.2f GB to write (%d bytes a token, states %s), %.2f GB free",
+             plan.disk_need / 1e9, per_token,
+             "fp8 + scales" if plan.storage.fp8 else str(plan.info.dtype).removeprefix(
+                 "torch."), shutil.disk_usage(root).free / 1e9)
     if plan.stale_temps:
         log.info("removed %d stale temp files from an interrupted run", plan.stale_temps)
     if plan.damaged:
@@ -416,7 +434,7 @@ def _run(plan: Plan, t_start: float) -> dict[str, Any]:
             reserve.free()  # room for the manifest that says so
             left = len(todo) - (writer.written if writer else 0)
             tokens_left = int(todo.lengths.sum()) - (writer.tokens if writer else 0)
-            need = bytes_needed(plan.info, plan.layer_ids, tokens_left, left)
+            need = bytes_needed(plan.info, plan.layer_ids, tokens_left, left, plan.storage)
             raise JobError(f"output.dir={str(root)!r}: the disk is full with {left} samples "
                            f"to go, about {need / 1e9:.2f} GB still needed; free space and "
                            "rerun the same command to resume") from e

@@ -22,7 +22,9 @@ import re
 import struct
 import zipfile
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 DATA_DIR = "data"
 RUN_JSON = "run.json"
@@ -35,6 +37,51 @@ TOP_LEVEL_RE = re.compile(
     r"^(manifest|token_freq)(\.shard-\d+-of-\d+)?\.json$"
     r"|^run\.json$|^(validate|verify)_report\.json$"
 )
+
+
+# fp8 states' scales: hs_connectors.fp8_utils.SCALES_KEY (speculators 0.9.0), quant.py
+SCALES_KEY = "hidden_states_scales"
+
+
+@dataclass(frozen=True)
+class Storage:
+    """How a run stores its states (`output.dtype`, `output.fp8_scale`): the model's
+    dtype, or fp8 e4m3 with float32 scales (quant.py has the arithmetic)."""
+
+    dtype: str = "model"
+    scale: str = "token"
+
+    @classmethod
+    def from_output(cls, output: Any) -> Storage:
+        """From the job's config node or a manifest's recorded `config.output` dict
+        (a manifest written before fp8 existed has neither key: the model dtype)."""
+        get = output.get if hasattr(output, "get") else lambda k, d: getattr(output, k, d)
+        return cls(str(get("dtype", None) or "model"), str(get("fp8_scale", None) or "token"))
+
+    @property
+    def fp8(self) -> bool:
+        return self.dtype == "fp8"
+
+    def stored_dtype(self, model_dtype: Any) -> Any:
+        import torch
+
+        return torch.float8_e4m3fn if self.fp8 else model_dtype
+
+    def scale_columns(self, num_layers: int) -> int:
+        """Scales per token: 0 (none), 1 (token) or one per layer (token_layer)."""
+        if not self.fp8:
+            return 0
+        return num_layers if self.scale == "token_layer" else 1
+
+    def bytes_per_token(self, num_layers: int, hidden: int, model_dtype: Any) -> int:
+        """States and scales of one token (ids and mask not included)."""
+        return (num_layers * hidden * self.stored_dtype(model_dtype).itemsize
+                + 4 * self.scale_columns(num_layers))
+
+    def identity(self) -> dict[str, str] | None:
+        """What the run identity records (None for the model dtype: older run ids hold)."""
+        return {"dtype": "float8_e4m3fn", "scale": self.scale} if self.fp8 else None
+
 
 
 def manifest_name(shard_index: int, shard_count: int, stem: str = "manifest") -> str:

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import PreflightError
-from .layout import RUN_JSON, json_temp_name, manifest_name
+from .layout import RUN_JSON, Storage, json_temp_name, manifest_name
 
 FORMAT_VERSION = 1
 LAYER_CONVENTION = ("vllm: id k = residual stream entering decoder layer k; "
@@ -187,6 +187,9 @@ def run_identity(cfg: Any, info: Any, layer_ids: list[int], template_sha256: str
         "output": {"format": str(cfg.output.format),
                    "files_per_dir": int(cfg.output.files_per_dir)},
     }
+    stored = Storage.from_output(cfg.output).identity()
+    if stored:  # only when not the model dtype: the run ids of earlier runs stay valid
+        ident["output"]["states"] = stored
     ident["run_id"] = hashlib.sha256(
         json.dumps(ident, sort_keys=True).encode()
     ).hexdigest()[:16]

@@ -229,6 +229,8 @@ def trainer_args(plan: Plan, export_dir: Path, d2t: Path, t2d: Path) -> list[str
             "--train-data-ratio", str(t.train_data_ratio)]
     if t.max_steps is not None:
         args += ["--max-steps", str(t.max_steps)]
+    if json.loads((export_dir / "export.json").read_text()).get("hidden_states") == "fp8":
+        args += ["--hidden-states-backend", "fp8"]  # hs_connectors' FP8Transfer dequantizes
     if plan.device == "cpu":
         # no autocast on CPU: the bf16 states are read as float32, the dtype of the weights
         args += ["--loss-implementation", "eager", "--draft-attn-impl", "sdpa",

@@ -44,8 +44,9 @@ class Batch:
 class ExtractedBatch:
     """What an engine returns for one batch.
 
-    `states[i]` is `[T_i, L, H]` for `samples[i]`, layers in layer-id order, in the
-    model dtype, on the CPU. The tensors may be views into a reused host buffer:
+    `states[i]` is `[T_i, L, H]` for `samples[i]`, layers in layer-id order, on the
+    CPU, as stored: in the model dtype, or fp8 e4m3 with `scales[i]` float32
+    `[T_i, 1, 1]` or `[T_i, L, 1]` (quant.py; `scales` is None otherwise). The tensors may be views into a reused host buffer:
     call `release()` once they are written (the engine waits for a free buffer
     before it reuses one). Rows == tokens is asserted before this is built.
     """
@@ -55,6 +56,7 @@ class ExtractedBatch:
     release: Callable[[], None] = field(default=lambda: None)
     seconds: float = 0.0
     finite_checked: bool = False  # the engine already refused NaN/Inf rows (on the device)
+    scales: list[torch.Tensor] | None = None
 
 
 class Engine(Protocol):

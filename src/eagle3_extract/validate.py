@@ -38,8 +38,18 @@ from typing import Any
 import numpy as np
 import torch
 
-from .layout import DATA_DIR, EXTENSIONS, MANIFEST_RE, SAMPLE_TEMP, SUBDIR_RE, TOP_LEVEL_RE
+from .layout import (
+    DATA_DIR,
+    EXTENSIONS,
+    MANIFEST_RE,
+    SAMPLE_TEMP,
+    SCALES_KEY,
+    SUBDIR_RE,
+    TOP_LEVEL_RE,
+    Storage,
+)
 from .manifest import Manifest, write_json_atomic
+from .quant import check_scales, dequantize, states_tensor  # noqa: F401 - re-exported
 from .token_freq import TokenCounts
 
 REPORT_NAME = "validate_report.json"
@@ -63,7 +73,7 @@ class Expect:
     files_per_dir: int
     layer_ids: list[int]
     hidden_size: int
-    dtype: torch.dtype
+    dtype: torch.dtype  # as stored: the model's, or float8_e4m3fn with scales
     run_id: str | None
     selected: int | None  # dataset range: valid indices are 0..selected-1
     require_loss: bool
@@ -105,18 +115,6 @@ def load_sample(path: Path, fmt: str) -> tuple[dict[str, Any], dict[str, str]]:
     if not isinstance(obj, dict):
         raise ValueError(f"holds a {type(obj).__name__}, not a dict of tensors")
     return obj, {}
-
-
-def states_tensor(hs: Any) -> torch.Tensor:
-    """[T, L, H] from a tensor or from speculators' list of L [T, H] tensors."""
-    if isinstance(hs, torch.Tensor):
-        return hs
-    if isinstance(hs, (list, tuple)) and hs and all(isinstance(t, torch.Tensor) for t in hs):
-        shapes = {tuple(t.shape) for t in hs}
-        if len(shapes) != 1 or len(next(iter(shapes))) != 2:
-            raise ValueError(f"hidden_states list of tensors with shapes {sorted(shapes)}")
-        return torch.stack(list(hs), dim=1)
-    raise ValueError(f"hidden_states is a {type(hs).__name__}, not a tensor or list of tensors")
 
 
 def load_manifests(root: Path) -> tuple[list[Manifest], list[Problem]]:
@@ -173,6 +171,7 @@ def expectation(manifests: list[Manifest]) -> tuple[Expect | None, list[Problem]
         if dtype is None:
             raise KeyError(f"model.dtype={m.model['dtype']!r}")
         skipped = (m.data or {}).get("skipped") or {}
+        dtype = Storage.from_output(out).stored_dtype(dtype)
         exp = Expect(
             fmt=str(out["format"]),
             files_per_dir=int(out["files_per_dir"]),
@@ -296,7 +295,16 @@ def check_file(root: Path, index: int, path: Path, exp: Expect) -> tuple[FileSta
                      "shifted capture)")
     if hs.dtype != exp.dtype:
         fail("dtype", f"hidden_states dtype {hs.dtype}, manifest says {exp.dtype}")
-    if hs.is_floating_point() and not bool(torch.isfinite(hs).all()):
+    elif hs.dtype == torch.float8_e4m3fn and not bad:
+        why = check_scales(hs, t.get(SCALES_KEY))
+        if why:
+            fail("scales", why)
+        else:  # the numbers a trainer reads (fp8 NaN shows here, e4m3 has no Inf)
+            hs = dequantize(hs, t[SCALES_KEY])
+    elif SCALES_KEY in t:
+        fail("scales", f"{SCALES_KEY} beside {hs.dtype} states: only fp8 states have scales")
+    if (hs.is_floating_point() and hs.dtype != torch.float8_e4m3fn
+            and not bool(torch.isfinite(hs).all())):
         bad_rows = (~torch.isfinite(hs)).flatten(1).any(1).nonzero().flatten()
         fail("nonfinite", f"NaN/Inf in hidden_states at {len(bad_rows)} rows (first "
                           f"{bad_rows[:5].tolist()})")

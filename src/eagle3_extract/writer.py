@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from .layout import EXTENSIONS, sample_path, sample_temp
+from .layout import EXTENSIONS, SCALES_KEY, sample_path, sample_temp
 from .types import ExtractedBatch, Sample
 
 
@@ -36,8 +36,10 @@ def _fsync_replace(tmp: Path, final: Path) -> None:
 
 
 def check_invariants(sample: Sample, states: torch.Tensor, num_layers: int, hidden: int,
-                     dtype: torch.dtype, check_finite: bool = True) -> None:
-    """Rows == tokens, [T, L, H], the model dtype, all finite: checked before any write.
+                     dtype: torch.dtype, check_finite: bool = True,
+                     scales: torch.Tensor | None = None) -> None:
+    """Rows == tokens, [T, L, H], the stored dtype, all finite, fp8 with its scales:
+    checked before any write.
 
     `check_finite=False` when the engine already checked every row on the device
     (the vLLM engine does): on the host it is the writer's most expensive step.
@@ -49,12 +51,22 @@ def check_invariants(sample: Sample, states: torch.Tensor, num_layers: int, hidd
         raise WriterError(f"sample {sample.index}: states dtype {states.dtype}, expected {dtype}")
     if len(sample.loss_mask) != len(sample.input_ids):
         raise WriterError(f"sample {sample.index}: loss_mask and input_ids lengths differ")
-    if check_finite and not bool(torch.isfinite(states).all()):
+    if check_finite and states.dtype != torch.float8_e4m3fn and not bool(
+            torch.isfinite(states).all()):
         raise WriterError(f"sample {sample.index}: NaN or Inf in the hidden states")
+    if (states.dtype == torch.float8_e4m3fn) != (scales is not None):
+        raise WriterError(f"sample {sample.index}: {states.dtype} states "
+                          f"{'without' if scales is None else 'with'} scales")
+    if scales is not None:
+        from .quant import check_scales
+
+        why = check_scales(states, scales)
+        if why:
+            raise WriterError(f"sample {sample.index}: {why}")
 
 
 _ST_DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32",
-              torch.int64: "I64", torch.uint8: "U8"}
+              torch.int64: "I64", torch.uint8: "U8", torch.float8_e4m3fn: "F8_E4M3"}
 
 
 def _write_all(fd: int, data: memoryview) -> None:
@@ -93,8 +105,10 @@ def save_safetensors(tensors: dict[str, torch.Tensor], path: Path,
 
 
 def write_sample(path: Path, sample: Sample, states: torch.Tensor, fmt: str,
-                 layer_ids: list[int], run_id: str) -> int:
-    """Write one sample atomically; return its size in bytes."""
+                 layer_ids: list[int], run_id: str,
+                 scales: torch.Tensor | None = None) -> int:
+    """Write one sample atomically; return its size in bytes. fp8 states go with their
+    `scales` (speculators 0.9.0's fp8 layout, quant.py)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = sample_temp(path)
     input_ids = torch.tensor(sample.input_ids, dtype=torch.int64)
@@ -104,6 +118,7 @@ def write_sample(path: Path, sample: Sample, states: torch.Tensor, fmt: str,
                 "input_ids": input_ids,
                 "loss_mask": torch.tensor(sample.loss_mask, dtype=torch.uint8),
                 "hidden_states": states.contiguous(),
+                **({SCALES_KEY: scales} if scales is not None else {}),
             },
             tmp,
             metadata={
@@ -217,12 +232,14 @@ class Writer:
                 return
             pending, i = item
             sample, states = pending.eb.samples[i], pending.eb.states[i]
+            scales = pending.eb.scales[i] if pending.eb.scales is not None else None
             try:
                 if self._error is None:
                     check_invariants(sample, states, len(self.layer_ids), self.hidden_size,
-                                     self.dtype, check_finite=not pending.eb.finite_checked)
+                                     self.dtype, check_finite=not pending.eb.finite_checked,
+                                     scales=scales)
                     n = write_sample(self.path(sample.index), sample, states, self.fmt,
-                                     self.layer_ids, self.run_id)
+                                     self.layer_ids, self.run_id, scales)
                     with self._lock:
                         self.written += 1
                         self.bytes += n

@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from ..layout import Storage
+from ..quant import quantize
 from ..types import Batch, ExtractedBatch
 from . import ModelInfo
 from .layers import attach_capture, find_decoder_layers
@@ -31,6 +33,8 @@ class HFEngine:
         self.num_layers = info.num_layers
         self.hidden_size = info.hidden_size
         self.dtype = info.dtype
+        self.storage = Storage.from_output(cfg.output) if hasattr(cfg, "output") else Storage()
+        self._stored = self.storage.stored_dtype(info.dtype)
         self.model = AutoModelForCausalLM.from_pretrained(
             info.path,
             torch_dtype=info.dtype,
@@ -51,7 +55,7 @@ class HFEngine:
         slots = max(1, int(getattr(cfg.engine, "host_buffers", 2) or 2))
         pin = self.device.type == "cuda"
         self._host = [
-            torch.empty((rows, len(self.layer_ids), self.hidden_size), dtype=self.dtype,
+            torch.empty((rows, len(self.layer_ids), self.hidden_size), dtype=self._stored,
                         pin_memory=pin)
             for _ in range(slots if rows else 0)
         ]
@@ -63,7 +67,7 @@ class HFEngine:
             slot = self._free.pop() if self._free and rows <= self._host[0].shape[0] else None
         if slot is None:  # every slot held (a caller that keeps its states), or oversize
             return torch.empty((rows, len(self.layer_ids), self.hidden_size),
-                               dtype=self.dtype), lambda: None
+                               dtype=self._stored), lambda: None
         done = threading.Event()
 
         def release() -> None:
@@ -97,6 +101,7 @@ class HFEngine:
         t0 = time.perf_counter()
         host, release = self._acquire(sum(len(s) for s in batch.samples))
         states, finite, row = [], [], 0
+        scales = [] if self.storage.fp8 else None
         for sample in batch.samples:
             self._captured.clear()
             ids = torch.tensor([sample.input_ids], device=self.device)
@@ -113,6 +118,9 @@ class HFEngine:
                     f"({len(sample)}, {len(self.layer_ids)}, {self.hidden_size})"
                 )
             finite.append(torch.isfinite(out).all())  # on the device; read once below
+            if scales is not None:  # fp8 on the device, before the copy (quant.py)
+                out, sc = quantize(out, self.storage.scale)
+                scales.append(sc.cpu())
             view = host[row : row + len(sample)]
             view.copy_(out, non_blocking=view.is_pinned())
             states.append(view)
@@ -124,7 +132,8 @@ class HFEngine:
             release()
             raise RuntimeError(f"NaN or Inf in the hidden states of samples {bad}")
         return ExtractedBatch(batch.samples, states, release=release,
-                              seconds=time.perf_counter() - t0, finite_checked=True)
+                              seconds=time.perf_counter() - t0, finite_checked=True,
+                              scales=scales)
 
     def close(self) -> None:
         for h in self._hooks:

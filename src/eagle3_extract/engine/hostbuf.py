@@ -63,34 +63,54 @@ def remove_orphans(directory: Path | None = None) -> int:
     return removed
 
 
-def map_file(path: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    nbytes = dtype.itemsize
-    for n in shape:
-        nbytes *= n
-    raw = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
-    return raw.view(dtype).view(*shape)
+def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    n = dtype.itemsize
+    for d in shape:
+        n *= d
+    return n
+
+
+def _scales_offset(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    return -(-_nbytes(shape, dtype) // 64) * 64  # the scales start 64-byte aligned
+
+
+def map_file(path: str, shape: tuple[int, ...], dtype: torch.dtype, scale_cols: int = 0
+             ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(states [slots, rows, L, H] in `dtype`, scales [slots, rows, scale_cols] float32
+    or None): the one file's two regions, as driver and workers both map it."""
+    slots, rows = shape[0], shape[1]
+    offset = _scales_offset(shape, dtype)
+    total = offset + 4 * slots * rows * scale_cols if scale_cols else _nbytes(shape, dtype)
+    raw = torch.from_file(path, shared=True, size=total, dtype=torch.uint8)
+    states = raw[:_nbytes(shape, dtype)].view(dtype).view(*shape)
+    scales = (raw[offset:].view(torch.float32).view(slots, rows, scale_cols)
+              if scale_cols else None)
+    return states, scales
 
 
 class HostBuffer:
     """The driver's side: the file, the mapping and the free-slot list."""
 
-    def __init__(self, slots: int, rows: int, layers: int, hidden: int, dtype: torch.dtype):
+    def __init__(self, slots: int, rows: int, layers: int, hidden: int, dtype: torch.dtype,
+                 scale_cols: int = 0):
         self.shape = (slots, rows, layers, hidden)
-        self.dtype = dtype
+        self.dtype = dtype  # as stored: the model's, or float8_e4m3fn (quant.py)
+        self.scale_cols = scale_cols
         self.host = host_identity()
         directory = shm_dir()
         self.path = str(directory / f"{PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}")
-        nbytes = dtype.itemsize * slots * rows * layers * hidden
         with open(self.path, "wb") as f:
-            f.truncate(nbytes)
-        self.tensor = map_file(self.path, self.shape, dtype)
+            f.truncate(_scales_offset(self.shape, dtype) + 4 * slots * rows * scale_cols)
+        self.tensor, self.scales = map_file(self.path, self.shape, dtype, scale_cols)
         self._free = list(range(slots))
         self._cv = threading.Condition()
-        log.debug("host buffer %s: %.0f MiB, %s", self.path, nbytes / 2**20, self.shape)
+        log.debug("host buffer %s: %.0f MiB, %s %s", self.path, self.nbytes / 2**20,
+                  self.shape, dtype)
 
     @property
     def nbytes(self) -> int:
-        return self.tensor.numel() * self.dtype.itemsize
+        scales = 0 if self.scales is None else self.scales.numel() * 4
+        return self.tensor.numel() * self.dtype.itemsize + scales
 
     def acquire(self) -> int:
         """A free slot; waits while the writer holds every slot."""
@@ -115,8 +135,8 @@ class HostBuffer:
     close = unlink
 
 
-def attach(path: str, shape: tuple[int, ...], dtype: torch.dtype, driver_host: str,
-           pin: bool) -> tuple[torch.Tensor, bool]:
+def attach(path: str, shape: tuple[int, ...], dtype: torch.dtype, scale_cols: int,
+           driver_host: str, pin: bool) -> tuple[torch.Tensor, torch.Tensor | None, bool]:
     """The worker's side: map the driver's buffer; page-lock it where CUDA can.
 
     A worker on another host refuses: a path that exists there (a network
@@ -127,12 +147,12 @@ def attach(path: str, shape: tuple[int, ...], dtype: torch.dtype, driver_host: s
             f"host buffer {path} belongs to the driver on {driver_host}; this capturing "
             f"worker runs on {host_identity()}: capturing stages must share the driver's host"
         )
-    tensor = map_file(path, shape, dtype)
+    states, scales = map_file(path, shape, dtype, scale_cols)
     pinned = False
     if pin:
-        nbytes = tensor.numel() * dtype.itemsize
-        err = torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), nbytes, 0)
+        nbytes = os.path.getsize(path)
+        err = torch.cuda.cudart().cudaHostRegister(states.data_ptr(), nbytes, 0)
         pinned = int(err) == 0
         if not pinned:
             log.warning("cudaHostRegister failed (%s): unpinned copies", err)
-    return tensor, pinned
+    return states, scales, pinned

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from ..layout import Storage
 from ..types import Batch, ExtractedBatch
 from . import ModelInfo, hostbuf
 from .worker import QUALNAME
@@ -210,6 +211,7 @@ class VllmEngine:
 
         self.layer_ids = list(layer_ids)
         self.num_layers, self.hidden_size, self.dtype = info.num_layers, info.hidden_size, info.dtype
+        self.storage = Storage.from_output(getattr(cfg, "output", {}))
         # The CPU worker of the in-process (uni) executor pins this process to its
         # cores; undone in close() so later jobs, writers and children get them all.
         self._affinity = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
@@ -242,14 +244,16 @@ class VllmEngine:
     def _setup_capture(self, slots: int) -> None:
         self.max_batch_tokens = self.vllm_config.scheduler_config.max_num_batched_tokens
         rows = self.max_batch_tokens + CAPTURE_SLACK_ROWS
-        plans = self.executor.collective_rpc("capture_setup", args=(self.layer_ids, rows))
+        scale_cols = self.storage.scale_columns(len(self.layer_ids))
+        plans = self.executor.collective_rpc("capture_setup",
+                                             args=(self.layer_ids, rows, scale_cols))
         covered = sorted(c for plan in plans if plan for c in plan["columns"])
         if covered != list(range(len(self.layer_ids))):
             raise RuntimeError(f"capture plan covers layer columns {covered}, expected each "
                                f"of {list(range(len(self.layer_ids)))} once: {plans}")
         self.host = hostbuf.HostBuffer(slots, rows, len(self.layer_ids),
                                        self.vllm_config.model_config.get_hidden_size(),
-                                       self.vllm_config.model_config.dtype)
+                                       self.storage.stored_dtype(self.dtype), scale_cols)
         try:
             replies = self.executor.collective_rpc(
                 "capture_attach_host", args=(self.host.path, self.host.shape, self.host.host))
@@ -349,8 +353,13 @@ class VllmEngine:
             raise
         slot_states = self.host.tensor[slot]
         states = [slot_states[first:first + n] for first, n in spans]
+        scales = None
+        if self.host.scales is not None:  # [n, 1, 1] or [n, L, 1], as the file stores them
+            scales = [self.host.scales[slot, first:first + n].unsqueeze(-1)
+                      for first, n in spans]
         return ExtractedBatch(batch.samples, states, release=release,
-                              seconds=time.perf_counter() - t0, finite_checked=True)
+                              seconds=time.perf_counter() - t0, finite_checked=True,
+                              scales=scales)
 
     def close(self) -> None:
         executor = self.__dict__.pop("executor", None)

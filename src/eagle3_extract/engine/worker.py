@@ -21,6 +21,7 @@ import logging
 
 import torch
 
+from ..quant import FP8, quantize_into
 from . import hostbuf, resolve_layer_ids
 from .layers import find_decoder_layers, residual_stream
 
@@ -32,8 +33,14 @@ QUALNAME = f"{__name__}.CaptureExtension"
 class CaptureExtension:
     """Mixed into vLLM's Worker; `self.model_runner` is the worker's runner."""
 
-    def capture_setup(self, layer_ids: list[int], max_rows: int) -> dict | None:
-        """Attach hooks for the layers this rank owns; return its capture plan."""
+    def capture_setup(self, layer_ids: list[int], max_rows: int,
+                      scale_cols: int = 0) -> dict | None:
+        """Attach hooks for the layers this rank owns; return its capture plan.
+
+        `scale_cols` > 0: the rows are stored as fp8 with that many float32 scales
+        per token (1: over every layer, len(layer_ids): per layer; quant.py),
+        quantized here on the device before the copy to the host.
+        """
         from vllm.distributed import get_pp_group, get_tp_group
         from vllm.model_executor.models.utils import PPMissingLayer
 
@@ -45,6 +52,7 @@ class CaptureExtension:
         self._capture_hooks: list = []
         self._columns: list[int] = []
         self._device_buf: torch.Tensor | None = None
+        self._scale_cols = int(scale_cols)
         self._steps: list[tuple[list[str], int, int]] = []
         self._rows = 0
         self.capture_enabled = True
@@ -58,6 +66,14 @@ class CaptureExtension:
         self._device_buf = torch.empty((max_rows, len(layer_ids), hidden),
                                        dtype=runner.model_config.dtype, device=runner.device)
         self._positions = torch.empty(max_rows, dtype=torch.long, device=runner.device)
+        if self._scale_cols:
+            if self._scale_cols == 1 and self._columns != list(range(len(layer_ids))):
+                raise RuntimeError("one fp8 scale per token spans every layer; this stage "
+                                   f"owns columns {self._columns}: use fp8_scale=token_layer")
+            self._device_q = torch.empty(self._device_buf.shape, dtype=FP8,
+                                         device=runner.device)
+            self._device_s = torch.empty((max_rows, self._scale_cols), dtype=torch.float32,
+                                         device=runner.device)
         for column in self._columns:
             hook = self._hook(column, first=column == self._columns[0])
             self._capture_hooks.append(
@@ -104,8 +120,9 @@ class CaptureExtension:
         """Map the driver's shared host buffer (engine/hostbuf.py)."""
         if self._device_buf is None:
             return None
-        self._host_buf, self._host_pinned = hostbuf.attach(
-            path, tuple(shape), self._device_buf.dtype, driver_host,
+        dtype = FP8 if self._scale_cols else self._device_buf.dtype
+        self._host_buf, self._host_scales, self._host_pinned = hostbuf.attach(
+            path, tuple(shape), dtype, self._scale_cols, driver_host,
             pin=self._device_buf.is_cuda)
         return {"pinned": self._host_pinned}
 
@@ -120,6 +137,12 @@ class CaptureExtension:
         rows, c0, c1 = self._rows, self._columns[0], self._columns[-1] + 1
         captured = self._device_buf[:rows, c0:c1]
         finite = torch.isfinite(captured).flatten(1).all(dim=1)
+        if self._scale_cols:  # fp8 on the device: the copy moves half the bytes
+            s0, s1 = (c0, c1) if self._scale_cols > 1 else (0, 1)
+            quantize_into(captured, self._device_q[:rows, c0:c1], self._device_s[:rows, s0:s1])
+            captured = self._device_q[:rows, c0:c1]
+            self._host_scales[slot, :rows, s0:s1].copy_(self._device_s[:rows, s0:s1],
+                                                        non_blocking=self._host_pinned)
         self._host_buf[slot, :rows, c0:c1].copy_(captured, non_blocking=self._host_pinned)
         positions = self._positions[:rows].to("cpu")  # synchronizes the stream
         out = {"columns": self._columns, "steps": self._steps, "positions": positions,

@@ -1,0 +1,206 @@
+"""output.dtype=fp8 on the real components: the vLLM 0.16 CPU engine quantizes before the
+device-to-host copy, the files are speculators 0.9.0's fp8 layout (its own hs_connectors
+reads them, in its own environment), validate/verify/export read them, the trainer trains
+on them. The acceptance parity on the real SmolLM2 is docs/QUALITY.md's (make e2e).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from test_job import compose_cfg, data_files, load_st, run_cli
+
+from eagle3_extract.quant import FP8, SCALES_KEY, dequantize, quantize
+
+ROOT = Path(__file__).resolve().parents[1]
+TRAIN_PY = ROOT / ".venv-train" / "bin" / "python"
+SAMPLES = 6
+
+
+def _train_env_run(script: str, *args: str) -> str:
+    assert TRAIN_PY.exists(), "make venv-train builds the trainer's environment"
+    r = subprocess.run([str(TRAIN_PY), "-c", script, *args], capture_output=True, text=True,
+                       timeout=600, env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    return r.stdout
+
+
+HS_CONNECTORS_QUANTIZE = """
+import sys, torch
+from safetensors.torch import load_file
+from hs_connectors.fp8_utils import quantize_tensor_to_fp8, dequantize_fp8_tensor
+t = load_file(sys.argv[1])
+q, s = quantize_tensor_to_fp8(t["x"])
+assert torch.equal(q.view(torch.uint8), t["q"].view(torch.uint8)), "fp8 bytes differ"
+assert torch.equal(s, t["s"]), "scales differ"
+# their dequantize broadcasts a per-token-and-layer scale just the same
+for q_, s_, name in ((t["q"], t["s"], "d"), (t["ql"], t["sl"], "dl")):
+    assert torch.equal(dequantize_fp8_tensor(q_, s_), t[name]), name
+print("same bytes as hs_connectors")
+"""
+
+
+def test_quantize_is_hs_connectors_bit_for_bit(tmp_path):
+    from safetensors.torch import save_file
+
+    torch.manual_seed(0)
+    # layer magnitudes four orders apart, an outlier channel, an all-zero row
+    x = torch.randn(37, 4, 64) * torch.tensor([0.05, 1.0, 30.0, 500.0])[None, :, None]
+    x[:, 2, 7] *= 80
+    x[5] = 0
+    x = x.to(torch.bfloat16)
+    q, s = quantize(x)
+    ql, sl = quantize(x, "token_layer")
+    assert q.dtype == FP8 and s.shape == (37, 1, 1) and sl.shape == (37, 4, 1)
+    assert torch.isfinite(dequantize(q, s)).all()
+    rel = (dequantize(ql, sl) - x.float()).norm(dim=-1) / x.float().norm(dim=-1).clamp_min(1e-6)
+    assert float(rel[x.float().norm(dim=-1) > 0].max()) < 0.08  # e4m3: 3 mantissa bits
+    save_file({"x": x, "q": q, "s": s, "ql": ql, "sl": sl,
+               "d": dequantize(q, s, torch.bfloat16), "dl": dequantize(ql, sl, torch.bfloat16)},
+              str(tmp_path / "t.safetensors"))
+    assert "same bytes" in _train_env_run(HS_CONNECTORS_QUANTIZE, str(tmp_path / "t.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """The same tiny-Llama job on vLLM 0.16 (CPU): bf16, fp8 per token, fp8 per layer."""
+    from eagle3_extract.job import run
+
+    root = tmp_path_factory.mktemp("fp8")
+    common = ("engine=vllm", "engine.distributed_executor_backend=uni",
+              f"dataset.max_samples={SAMPLES}", "model.max_model_len=1024",
+              "engine.token_budget=2048")
+    out = {}
+    for name, extra in (("bf16", ()), ("fp8", ("output=fp8",)),
+                        ("fp8l", ("output=fp8", "output.fp8_scale=token_layer"))):
+        m = run(compose_cfg(*common, *extra, f"output.dir={root / name}"))
+        assert m["counts"]["written"] == SAMPLES
+        out[name] = root / name
+    return out
+
+
+@pytest.mark.engine
+def test_fp8_files_are_the_bf16_states_quantized_on_the_device(runs):
+    ref = data_files(runs["bf16"])
+    sizes = {"bf16": 0, "fp8": 0, "fp8l": 0}
+    for name, scale, shape1 in (("fp8", "token", 1), ("fp8l", "token_layer", 4)):
+        files = data_files(runs[name])
+        assert sorted(files) == sorted(ref)
+        for i, path in files.items():
+            t, meta = load_st(path)
+            b, _ = load_st(ref[i])
+            assert t["hidden_states"].dtype == FP8
+            assert t[SCALES_KEY].dtype == torch.float32
+            assert tuple(t[SCALES_KEY].shape) == (len(t["input_ids"]), shape1, 1)
+            assert torch.equal(t["input_ids"], b["input_ids"])
+            assert torch.equal(t["loss_mask"], b["loss_mask"])
+            q, s = quantize(b["hidden_states"], scale)  # the same arithmetic on the host
+            assert torch.equal(t["hidden_states"].view(torch.uint8), q.view(torch.uint8))
+            assert torch.equal(t[SCALES_KEY], s)
+            sizes[name] += path.stat().st_size
+    sizes["bf16"] = sum(p.stat().st_size for p in ref.values())
+    print("bytes", sizes, "fp8/bf16", sizes["fp8"] / sizes["bf16"])
+    assert sizes["fp8"] <= 0.52 * sizes["bf16"]
+
+
+@pytest.mark.engine
+def test_validate_and_verify_read_fp8_and_catch_bad_scales(runs, tmp_path):
+    import shutil
+
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    from eagle3_extract import verify
+    from eagle3_extract.validate import validate
+
+    for name in ("fp8", "fp8l"):
+        report = validate(runs[name])
+        assert report["ok"], report["problems"][:5]
+        assert report["dtype"] == "float8_e4m3fn"
+    report = verify.verify(runs["fp8"], references=["hf"], samples=3)
+    assert report["ok"], report["failures"]
+    assert report["tolerance"]["median"] > verify.TOLERANCES["bfloat16"].median
+    assert report["logits"]["required"] == verify.FP8_ARGMAX
+    out = tmp_path / "bad"
+    shutil.copytree(runs["fp8"], out)
+    paths = sorted((out / "data").rglob("*.safetensors"))
+    for path, how in zip(paths, ("negative", "missing")):
+        t = load_file(path)
+        with safe_open(str(path), "pt") as f:
+            meta = f.metadata()
+        if how == "negative":
+            t[SCALES_KEY][3] = -1.0
+        else:
+            del t[SCALES_KEY]
+        save_file(t, str(path), metadata=meta)
+    report = validate(out)
+    assert not report["ok"]
+    codes = {(Path(p["where"]).name, p["code"]) for p in report["problems"]}
+    assert {(paths[0].name, "scales"), (paths[1].name, "scales")} <= codes, codes
+
+
+READ_FP8_WITH_SPECULATORS_09 = """
+import sys, torch
+from pathlib import Path
+from safetensors.torch import load_file
+from hs_connectors.transfer import FP8Transfer
+from speculators.train.data import ArrowDataset
+out, src = sys.argv[1], sys.argv[2:]
+ds = ArrowDataset(max_len=4096, datapath=out, on_missing="raise",
+                  transfer=FP8Transfer(Path(out) / "hidden_states"))
+assert len(ds) == len(src)
+for i, path in enumerate(src):
+    item = ds._get_raw_data(i)
+    ours = load_file(path)
+    hs = ours["hidden_states"].to(torch.bfloat16) * ours["hidden_states_scales"].to(torch.bfloat16)
+    assert torch.equal(item["input_ids"], ours["input_ids"])
+    assert torch.equal(item["hidden_states"], hs[:, :-1].flatten(1))
+    assert torch.equal(item["verifier_last_hidden_states"], hs[:, -1])
+print("read", len(ds), "fp8 rows")
+"""
+
+
+@pytest.mark.engine
+def test_the_fp8_export_is_what_speculators_09_reads(runs, tmp_path):
+    import json
+
+    from eagle3_extract.export import main as export_main
+
+    assert export_main([str(runs["fp8"]), str(tmp_path / "s09")]) == 0
+    rec = json.loads((tmp_path / "s09" / "export.json").read_text())
+    assert rec["hidden_states"] == "fp8"
+    hs0 = load_st(tmp_path / "s09" / "hidden_states" / "hs_0.safetensors")[0]
+    assert hs0["hidden_states"].dtype == FP8 and SCALES_KEY in hs0
+    src = [str(p) for _, p in sorted(data_files(runs["fp8"]).items())]
+    assert f"read {SAMPLES} fp8 rows" in _train_env_run(READ_FP8_WITH_SPECULATORS_09,
+                                                        str(tmp_path / "s09"), *src)
+
+
+@pytest.mark.engine
+def test_the_trainer_trains_on_fp8(runs, tmp_path):
+    r = subprocess.run(
+        [str(ROOT / ".venv" / "bin" / "python"), "-m", "eagle3_extract.train",
+         f"data.dir={runs['fp8']}", "train=small", "train.epochs=1", "train.max_steps=2",
+         "train.total_seq_len=512", "train.draft_vocab_size=256", f"output.dir={tmp_path}/d"],
+        capture_output=True, text=True, cwd=ROOT, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert (tmp_path / "d" / "drafter" / "model.safetensors").exists()
+    log = (tmp_path / "d" / "train.log").read_text()
+    # without it speculators' default (file) backend would hand the raw e4m3 values over
+    assert "--hidden-states-backend fp8" in log
+
+
+def test_fp8_config_errors_are_one_line_exit_2(tmp_path):
+    for args, words in (
+        (("output=fp8", "output.format=speculators_pt"), "output.format=safetensors"),
+        (("output=fp8", "model.pipeline_parallel_size=2"), "fp8_scale=token_layer"),
+        (("output.dtype=fp16",), "output.dtype"),
+    ):
+        r = run_cli("engine=hf", *args, f"output.dir={tmp_path / 'o'}")
+        assert r.returncode == 2, r.stderr[-2000:]
+        lines = [ln for ln in r.stderr.strip().splitlines() if ln.strip()]
+        assert len(lines) == 1 and words in lines[0], r.stderr
