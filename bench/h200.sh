@@ -5,7 +5,7 @@
 # after step A of that kit (`bash .gpu-bundle/install-on-device.sh .gpu-bundle A`), carrying
 # .gpu-bundle/{whlB,vllm016-py.zip,install-on-device.sh} and whlC (hydra-core 1.3.2,
 # omegaconf 2.3.0, antlr4-python3-runtime 4.9.3: eagle3_extract.config imports them):
-#   bash bench/h200.sh [all|vllm|hf|profile|regen]      # figures and logs go to $OUT
+#   [BENCH_DTYPE=fp8] bash bench/h200.sh [all|vllm|hf|profile|regen]   # figures, logs: $OUT
 set -uo pipefail
 what=${1:-all}
 OUT=${OUT:-/tmp/bench-results}
@@ -25,16 +25,23 @@ if (($(df --output=avail -B1G /dev/shm | tail -1) < 8)); then export EAGLE3_SHM_
 # Outputs on a disk, not tmpfs (that would measure RAM).
 dir=/var/tmp/eagle3-bench
 [[ $(findmnt -no FSTYPE -T /var/tmp) == tmpfs ]] && dir=$PWD/.bench-out
-common=(--model bench/configs/llama3_8b.json --load-format dummy --synthetic 64x2048
-        --token-budget 32768 --max-num-seqs 16 --repeats 3 --breakdown
+# BENCH_DATA=256x2048 BENCH_REPEATS=2 BENCH_BREAKDOWN=: 16 calls a phase instead of 4, so
+# the one copy a phase cannot overlap (the last call's) weighs a quarter as much in (2).
+common=(--model bench/configs/llama3_8b.json --load-format dummy
+        --synthetic "${BENCH_DATA:-64x2048}" --token-budget 32768 --max-num-seqs 16
+        --repeats "${BENCH_REPEATS:-3}" ${BENCH_BREAKDOWN---breakdown}
         --gpu-memory-utilization 0.6 --out-dir "$dir")
 vllm_args='{"attention_config": {"backend": "TRITON_ATTN"}, "compilation_config": {"custom_ops": ["none"]}}'
 
+# BENCH_DTYPE=fp8: the states stored as fp8 e4m3 + per-token scales (output=fp8)
+dtype=${BENCH_DTYPE:-model}
 if [[ $what == all || $what == vllm ]]; then
+  tag=vllm${BENCH_TAG:-}; [[ $dtype != model ]] && tag=$tag-$dtype
   timeout 330 python3 bench/run.py "${common[@]}" --engine vllm --executor mp \
-    --vllm-args "$vllm_args" --out "$OUT/vllm.json" > "$OUT/vllm.log" 2>&1
-  echo "vllm rc=$?"
-  grep -v '^(Worker' "$OUT/vllm.log" | grep -v Gloo | tail -22
+    --output-dtype "$dtype" --vllm-args "$vllm_args" --out "$OUT/$tag.json" \
+    > "$OUT/$tag.log" 2>&1
+  echo "$tag rc=$?"
+  grep -v '^(Worker' "$OUT/$tag.log" | grep -v Gloo | tail -22
 fi
 if [[ $what == regen ]]; then
   # eagle3-regenerate vs LLM.generate on one engine (bench/regenerate.py): the 8B shape with

@@ -60,7 +60,9 @@ def job_config(args: Any, path: str, tiny: str | None, max_model_len: int) -> Si
         host_buffers=args.host_buffers, enforce_eager=True, device=args.device,
         distributed_executor_backend=args.executor, vllm_args=args.vllm_args,
     )
-    return SimpleNamespace(model=model, engine=engine)
+    output = SimpleNamespace(dtype=getattr(args, "output_dtype", "model"),
+                             fp8_scale=getattr(args, "fp8_scale", "token"))
+    return SimpleNamespace(model=model, engine=engine, output=output)
 
 
 @contextmanager

@@ -43,14 +43,25 @@ def prefill(engine: Any, batches: list[Batch]) -> dict:
 
 
 def extract_host(engine: Any, batches: list[Batch]) -> dict:
+    """As the job's loop runs the engine (wait=False), with a consumer that only waits for
+    each batch's copy and releases its slot, one batch behind."""
+    prev = None
     for b in batches:
-        engine.extract(b).release()
+        eb = engine.extract(b, wait=False)
+        if prev is not None:
+            prev.wait()
+            prev.release()
+        prev = eb
+    if prev is not None:
+        prev.wait()
+        prev.release()
     return {}
 
 
 def new_writer(engine: Any, root: Path, threads: int, max_pending: int) -> Writer:
+    stored = engine.storage.stored_dtype(engine.dtype)
     return Writer(root, "safetensors", FILES_PER_DIR, engine.layer_ids, engine.hidden_size,
-                  engine.dtype, run_id="bench", threads=threads, max_pending=max_pending)
+                  stored, run_id="bench", threads=threads, max_pending=max_pending)
 
 
 def extract_disk(engine: Any, batches: list[Batch], root: Path, threads: int,

@@ -81,6 +81,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=1, help="batches run untimed before phases")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--writer-threads", type=int, default=2)
+    p.add_argument("--output-dtype", choices=("model", "fp8"), default="model",
+                   help="how the states are stored (output.dtype): fp8 halves the bytes")
+    p.add_argument("--fp8-scale", choices=("token", "token_layer"), default="token")
     p.add_argument("--out", type=Path, default=None,
                    help="JSON figures (default outputs/bench/<engine>-<time>.json)")
     p.add_argument("--out-dir", type=Path, default=ROOT / "outputs/bench/files",
@@ -215,8 +218,8 @@ def main(argv: list[str] | None = None) -> dict:
     disk = {"path": str(raw_root), "bytes": disk_bytes, "files": len(files["sizes"]),
             "threads": threads, "seconds": disk_runs,
             "bytes_per_s": median_rate(disk_bytes, disk_runs)}
-    itemsize = torch.empty((), dtype=info.dtype).element_size()
-    raw_per_token = len(layer_ids) * info.hidden_size * itemsize
+    raw_per_token = engine.storage.bytes_per_token(len(layer_ids), info.hidden_size,
+                                                   info.dtype)
     file_per_token = figures["extract_disk"]["bytes"] / ntok
     prefill_tok_s = figures["prefill"]["tok_s"]
     disk_tok_s = disk["bytes_per_s"] / file_per_token
@@ -246,6 +249,7 @@ def main(argv: list[str] | None = None) -> dict:
         "model": {"path": args.model, "resolved": info.path, "load_format": args.load_format,
                   "dtype": str(info.dtype).removeprefix("torch."), **shape},
         "layer_ids": layer_ids,
+        "output": {"dtype": args.output_dtype, "fp8_scale": args.fp8_scale},
         "data": {**data_desc, "samples": len(lengths), "tokens": ntok, "batches": len(batches),
                  "max_batch_tokens": max(b.num_tokens for b in batches),
                  "length_min": min(lengths), "length_mean": statistics.fmean(lengths),
@@ -298,6 +302,7 @@ def print_summary(r: dict, out: Path) -> None:
     gpu = (r["machine"]["gpu"] or {}).get("name") or r["machine"]["cpu"]
     print(f"\n{r['engine']['name']} | {m['architecture']} L={m['num_layers']} "
           f"H={m['hidden_size']} {m['dtype']} ({m['load_format']}) | layers {r['layer_ids']} | "
+          f"stored {r['output']['dtype']} ({r['bytes_per_token']['states']:,} B/token) | "
           f"{gpu}")
     print(f"data: {d['source']} {d.get('spec') or 'set'} {d['samples']} samples, {d['tokens']:,} "
           f"tokens in {d['batches']} batches (<= {d['max_batch_tokens']:,} tok), "

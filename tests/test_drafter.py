@@ -216,6 +216,30 @@ def test_sigterm_stops_the_trainer_and_a_rerun_finishes(trained):
     assert (out / "drafter" / "model.safetensors").is_file()
 
 
+def test_a_rerun_resumes_from_the_last_epoch_checkpoint(trained):
+    """On CPU too: speculators 0.9.0 loads the checkpoint onto get_current_device(), which
+    says cuda:0 without an accelerator (trainer_launch.py answers it); a finished training
+    is not rerun."""
+    import os
+    import shutil
+
+    out = trained / "d-resume"
+    args = [sys.executable, "-m", "eagle3_extract.train", f"data.dir={trained / 'x'}",
+            "train=small", "train.epochs=2", "train.total_seq_len=256",
+            "train.draft_vocab_size=256", f"output.dir={out}"]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    r = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, env=env)
+    assert r.returncode == 0, r.stderr[-2000:]
+    shutil.rmtree(out / "checkpoints" / "1")  # as if killed during the second epoch
+    shutil.rmtree(out / "drafter")
+    r = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, env=env)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "Resuming training on epoch 1" in " ".join((out / "train.log").read_text().split())
+    assert (out / "checkpoints" / "1").is_dir() and (out / "drafter" / "config.json").is_file()
+    r = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, env=env)
+    assert r.returncode == 0 and "not retrained" in r.stdout, r.stdout + r.stderr[-2000:]
+
+
 def test_the_control_last_layer_is_hfs_post_norm_state(trained, tmp_path):
     """e2e's control: the last layer becomes HF's hidden_states[-1] (after the final norm),
     the other layers stay; a rerun rewrites nothing (never normed twice)."""

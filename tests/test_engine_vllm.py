@@ -166,3 +166,52 @@ def test_held_buffers_are_not_overwritten(fp32_engine):
     first.release()
     first.release()  # idempotent
     second.release()
+
+
+def _poison_layer(worker, layer: int, row: int):
+    """In the worker: layer `layer`'s output gets NaN at token row `row` (or no hook)."""
+    from eagle3_extract.engine.layers import find_decoder_layers
+
+    _, layers = find_decoder_layers(worker.model_runner.model)
+    for h in getattr(worker, "_poison", []):
+        h.remove()
+    worker._poison = []
+    if layer:
+        def hook(module, args, output):
+            out = output[0] if isinstance(output, tuple) else output
+            if out.shape[0] > row:
+                out[row] = float("nan")
+        worker._poison.append(layers[layer - 1].register_forward_hook(hook))
+
+
+@pytest.mark.parametrize("storage", ["model", "fp8"])
+def test_nan_rows_are_refused_by_the_devices_finite_flags(storage):
+    """The per-row flags computed on the device (a sum for the model dtype, the scales for
+    fp8) reach the driver through the host buffer: a NaN row fails the batch, whether the
+    caller waits in extract or later in ExtractedBatch.wait(), and nothing else breaks."""
+    from types import SimpleNamespace
+
+    from eagle3_extract.engine import build_engine, inspect_model
+    from conftest import engine_cfg, model_cfg
+
+    m = model_cfg("llama", "bfloat16")
+    cfg = SimpleNamespace(model=m, engine=engine_cfg("vllm"),
+                          output=SimpleNamespace(dtype=storage, fp8_scale="token"))
+    engine = build_engine(cfg, inspect_model(m), [2, 4, 8])
+    try:
+        a, b = random_samples([40, 30], seed=9)
+        engine.executor.collective_rpc(_poison_layer, args=(3, 45))  # row 45: sample b
+        with pytest.raises(RuntimeError, match=r"NaN or Inf in the hidden states of samples \[1\]"):
+            engine.extract(Batch([a, b]))
+        eb = engine.extract(Batch([a, b]), wait=False)
+        with pytest.raises(RuntimeError, match="NaN or Inf"):
+            eb.wait()
+        with pytest.raises(RuntimeError, match="NaN or Inf"):
+            eb.wait()  # idempotent: the same verdict
+        eb.release()
+        engine.executor.collective_rpc(_poison_layer, args=(0, 0))
+        eb = engine.extract(Batch([a, b]))
+        assert [s.shape[0] for s in eb.states] == [40, 30]
+        eb.release()
+    finally:
+        engine.close()

@@ -8,7 +8,9 @@ from HF transformers' `output_hidden_states` (`hidden_states[k + 1]` for "layer 
 drafter served by vLLM's convention (id k = the stream entering layer k). Each step is its
 own command with its own output dir under --out (so a rerun resumes each); the verdict
 compares the two first-position acceptances and goes to <out>/e2e.json. Exit 1 when the
-real drafter is below --min-first or the control is not far below it.
+real drafter is below --min-first or the control is not far below it. `--fp8` adds the
+same chain on `output=fp8` data (acceptance parity: the fp8 drafter may not fall more than
+--fp8-drop below the bf16 one).
 """
 
 from __future__ import annotations
@@ -116,6 +118,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="with --min-first: fail when the control's first-position acceptance "
                          "is above this fraction of the real one's")
     ap.add_argument("--no-control", action="store_true")
+    ap.add_argument("--fp8", action="store_true",
+                    help="also extract with output=fp8, train and measure the same way")
+    ap.add_argument("--fp8-drop", type=float, default=0.03,
+                    help="with --fp8 and --min-first: fail when the fp8 drafter's "
+                         "first-position acceptance is more than this below the real one's")
     ap.add_argument("--out", type=Path, default=None, help="default outputs/e2e/<model>")
     ap.add_argument("--extract-arg", dest="extract_args", action="append", default=[])
     ap.add_argument("--train-arg", dest="train_args", action="append", default=[])
@@ -144,10 +151,17 @@ def main(argv: list[str] | None = None) -> int:
         if args.min_first is not None and c_first > args.control_ratio * first:
             problems.append(f"control: first-position acceptance {c_first:.1%} is not below "
                             f"{args.control_ratio:g} x the real {first:.1%}")
+    if args.fp8:  # same answers, seeds and trainer settings: only the stored dtype differs
+        fp8 = chain(out, args, "fp8", ["output=fp8"], [])
+        result["fp8"] = fp8
+        f_first = fp8["acceptance_per_position"][0]
+        if args.min_first is not None and f_first < first - args.fp8_drop:
+            problems.append(f"fp8: first-position acceptance {f_first:.1%} is more than "
+                            f"{args.fp8_drop:.1%} below the bf16 drafter's {first:.1%}")
     result["problems"] = problems
     result["seconds"] = round(time.monotonic() - t0, 1)
     write_json_atomic(out / "e2e.json", result)
-    for name in ("real", "control"):
+    for name in ("real", "control", "fp8"):
         if name in result:
             r = result[name]
             per = " / ".join(f"{a:.1%}" for a in r["acceptance_per_position"])

@@ -281,7 +281,7 @@ def extraction_loop(engine: Engine, writer: Writer, batches: Iterable[Batch],
     try:
         for batch in batches:
             t0 = time.perf_counter()
-            eb = engine.extract(batch)
+            eb = engine.extract(batch, wait=False)  # the Writer waits for the copy
             t1 = time.perf_counter()
             writer.submit(eb)
             times.extract_s += t1 - t0
@@ -291,6 +291,9 @@ def extraction_loop(engine: Engine, writer: Writer, batches: Iterable[Batch],
             if tick is not None:
                 tick()
     except BaseException:
+        abort = getattr(engine, "abort", None)
+        if abort is not None:  # copies that will not finish must not block the drain
+            abort()
         try:
             writer.close()  # write what was extracted; the original error goes on
         except Exception as e:  # noqa: BLE001

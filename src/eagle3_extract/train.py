@@ -390,7 +390,10 @@ def run(cfg: Any) -> dict[str, Any]:
         write_run_json(plan.out, plan.identity)
         export_dir = _export(plan)
         d2t, t2d, size = _vocab(plan)
-        _run_trainer(plan, trainer_args(plan, export_dir, d2t, t2d))
+        if _epochs_done(plan) < int(plan.cfg.train.epochs):  # a rerun resumes from the last
+            _run_trainer(plan, trainer_args(plan, export_dir, d2t, t2d))
+        else:
+            print(f"{PROG}: all {plan.cfg.train.epochs} epochs saved: not retrained", flush=True)
         ckpt = _last_checkpoint(plan)
         record = _publish(plan, ckpt, plan.trainer_versions, time.monotonic() - t0)
         print(f"{PROG}: drafter in {plan.out / DRAFTER_DIR} (epoch checkpoint {ckpt.name}, "

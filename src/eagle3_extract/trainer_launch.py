@@ -5,9 +5,10 @@ a plain script (no import of eagle3_extract: that environment has transformers 5
 vLLM). On a machine with an accelerator it is exactly `speculators train`. Without one
 (this project's CI, a laptop) speculators 0.9.0 stops at "Cannot access accelerator device
 when none is available": its Trainer moves the model and every batch to
-`get_local_rank()`, an int, i.e. a GPU index, and its timers call
-`torch.accelerator.synchronize()`. Here those two are answered for the CPU; nothing else
-of the trainer changes (its fused loss needs Triton: eagle3-train passes
+`get_local_rank()`, an int, i.e. a GPU index, its timers call
+`torch.accelerator.synchronize()`, and its checkpointer loads an epoch checkpoint to resume
+from onto `get_current_device()`, which says "cuda:0" without an accelerator. Here those
+three are answered for the CPU; nothing else of the trainer changes (its fused loss needs Triton: eagle3-train passes
 `--loss-implementation eager` on CPU).
 """
 
@@ -18,7 +19,10 @@ def _cpu_shim() -> None:
     import torch
     import speculators.train.trainer as trainer
 
+    import speculators.train.checkpointer as checkpointer
+
     trainer.get_local_rank = lambda: "cpu"
+    checkpointer.get_current_device = lambda: "cpu"
     torch.accelerator.synchronize = lambda *args, **kwargs: None
 
 

@@ -57,6 +57,14 @@ class ExtractedBatch:
     seconds: float = 0.0
     finite_checked: bool = False  # the engine already refused NaN/Inf rows (on the device)
     scales: list[torch.Tensor] | None = None
+    # Blocks until the states have landed and checks them (raises); None: already there.
+    ready: Callable[[], None] | None = None
+
+    def wait(self) -> None:
+        """Before reading `states`: the engine may still be copying them (vLLM on CUDA
+        overlaps the copy with the next prefill). Idempotent; raises what the check found."""
+        if self.ready is not None:
+            self.ready()
 
 
 class Engine(Protocol):
@@ -72,7 +80,9 @@ class Engine(Protocol):
     hidden_size: int
     dtype: torch.dtype
 
-    def extract(self, batch: Batch) -> ExtractedBatch: ...
+    def extract(self, batch: Batch, wait: bool = True) -> ExtractedBatch:
+        """`wait=False`: the states may still be arriving; `ExtractedBatch.wait()` first."""
+        ...
 
     def prefill(self, batch: Batch) -> None:
         """The same forward passes with capture off: the benchmark's baseline."""

@@ -235,6 +235,7 @@ class Writer:
             scales = pending.eb.scales[i] if pending.eb.scales is not None else None
             try:
                 if self._error is None:
+                    pending.eb.wait()  # the engine's copy has landed and passed its checks
                     check_invariants(sample, states, len(self.layer_ids), self.hidden_size,
                                      self.dtype, check_finite=not pending.eb.finite_checked,
                                      scales=scales)

@@ -97,7 +97,8 @@ class HFEngine:
             self._hooks = attach_capture(self.layers, self.layer_ids, self._sink)
 
     @torch.inference_mode()
-    def extract(self, batch: Batch) -> ExtractedBatch:
+    def extract(self, batch: Batch, wait: bool = True) -> ExtractedBatch:
+        """Synchronous whatever `wait` says: the states are on the host when it returns."""
         t0 = time.perf_counter()
         host, release = self._acquire(sum(len(s) for s in batch.samples))
         states, finite, row = [], [], 0

@@ -17,11 +17,13 @@ and the next job removes one whose driver is gone (`remove_orphans`).
 from __future__ import annotations
 
 import logging
+import math
 import os
 import socket
 import tempfile
 import threading
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -63,54 +65,75 @@ def remove_orphans(directory: Path | None = None) -> int:
     return removed
 
 
-def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
-    n = dtype.itemsize
-    for d in shape:
-        n *= d
-    return n
+@dataclass(frozen=True)
+class Layout:
+    """The file's regions, as driver and workers both map them (64-byte aligned):
+
+    states [slots, rows, L, H] as stored (model dtype or e4m3), scales [slots, rows, S]
+    float32 (fp8 only), finite [slots, stages, rows] uint8 (each capturing pipeline
+    stage's per-row flag, computed on the device), ready [slots, stages] int64: the
+    ticket of the call whose rows are in the slot, written by each stage *after* its
+    rows (on CUDA by the same stream, so the copies before it have landed).
+    """
+
+    slots: int
+    rows: int
+    layers: int
+    hidden: int
+    dtype: torch.dtype
+    scale_cols: int = 0
+    stages: int = 1
+
+    def regions(self) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+        s, r = self.slots, self.rows
+        out = [("states", (s, r, self.layers, self.hidden), self.dtype)]
+        if self.scale_cols:
+            out.append(("scales", (s, r, self.scale_cols), torch.float32))
+        out += [("finite", (s, self.stages, r), torch.uint8),
+                ("ready", (s, self.stages), torch.int64)]
+        return out
+
+    def offsets(self) -> tuple[dict[str, int], int]:
+        offsets, end = {}, 0
+        for name, shape, dtype in self.regions():
+            offsets[name] = -(-end // 64) * 64
+            end = offsets[name] + math.prod(shape) * dtype.itemsize
+        return offsets, end
 
 
-def _scales_offset(shape: tuple[int, ...], dtype: torch.dtype) -> int:
-    return -(-_nbytes(shape, dtype) // 64) * 64  # the scales start 64-byte aligned
-
-
-def map_file(path: str, shape: tuple[int, ...], dtype: torch.dtype, scale_cols: int = 0
-             ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(states [slots, rows, L, H] in `dtype`, scales [slots, rows, scale_cols] float32
-    or None): the one file's two regions, as driver and workers both map it."""
-    slots, rows = shape[0], shape[1]
-    offset = _scales_offset(shape, dtype)
-    total = offset + 4 * slots * rows * scale_cols if scale_cols else _nbytes(shape, dtype)
+def map_file(path: str, layout: Layout) -> dict[str, torch.Tensor]:
+    """Every region of the file as a tensor (scales absent when not fp8)."""
+    offsets, total = layout.offsets()
     raw = torch.from_file(path, shared=True, size=total, dtype=torch.uint8)
-    states = raw[:_nbytes(shape, dtype)].view(dtype).view(*shape)
-    scales = (raw[offset:].view(torch.float32).view(slots, rows, scale_cols)
-              if scale_cols else None)
-    return states, scales
+    out = {}
+    for name, shape, dtype in layout.regions():
+        a = offsets[name]
+        out[name] = raw[a:a + math.prod(shape) * dtype.itemsize].view(dtype).view(*shape)
+    return out
 
 
 class HostBuffer:
     """The driver's side: the file, the mapping and the free-slot list."""
 
-    def __init__(self, slots: int, rows: int, layers: int, hidden: int, dtype: torch.dtype,
-                 scale_cols: int = 0):
-        self.shape = (slots, rows, layers, hidden)
-        self.dtype = dtype  # as stored: the model's, or float8_e4m3fn (quant.py)
-        self.scale_cols = scale_cols
+    def __init__(self, layout: Layout):
+        self.layout = layout
+        self.shape = (layout.slots, layout.rows, layout.layers, layout.hidden)
+        self.dtype = layout.dtype  # as stored: the model's, or float8_e4m3fn (quant.py)
         self.host = host_identity()
         directory = shm_dir()
         self.path = str(directory / f"{PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}")
         with open(self.path, "wb") as f:
-            f.truncate(_scales_offset(self.shape, dtype) + 4 * slots * rows * scale_cols)
-        self.tensor, self.scales = map_file(self.path, self.shape, dtype, scale_cols)
-        self._free = list(range(slots))
+            f.truncate(layout.offsets()[1])
+        regions = map_file(self.path, layout)
+        self.tensor, self.scales = regions["states"], regions.get("scales")
+        self.finite, self.ready = regions["finite"], regions["ready"]
+        self._free = list(range(layout.slots))
         self._cv = threading.Condition()
-        log.debug("host buffer %s: %.0f MiB, %s %s", self.path, self.nbytes / 2**20,
-                  self.shape, dtype)
+        log.debug("host buffer %s: %.0f MiB, %s", self.path, self.nbytes / 2**20, layout)
 
     @property
     def nbytes(self) -> int:
-        scales = 0 if self.scales is None else self.scales.numel() * 4
-        return self.tensor.numel() * self.dtype.itemsize + scales
+        return self.layout.offsets()[1]
 
     def acquire(self) -> int:
         """A free slot; waits while the writer holds every slot."""
@@ -135,8 +158,8 @@ class HostBuffer:
     close = unlink
 
 
-def attach(path: str, shape: tuple[int, ...], dtype: torch.dtype, scale_cols: int,
-           driver_host: str, pin: bool) -> tuple[torch.Tensor, torch.Tensor | None, bool]:
+def attach(path: str, layout: Layout, driver_host: str, pin: bool
+           ) -> tuple[dict[str, torch.Tensor], bool]:
     """The worker's side: map the driver's buffer; page-lock it where CUDA can.
 
     A worker on another host refuses: a path that exists there (a network
@@ -147,12 +170,12 @@ def attach(path: str, shape: tuple[int, ...], dtype: torch.dtype, scale_cols: in
             f"host buffer {path} belongs to the driver on {driver_host}; this capturing "
             f"worker runs on {host_identity()}: capturing stages must share the driver's host"
         )
-    states, scales = map_file(path, shape, dtype, scale_cols)
+    regions = map_file(path, layout)
     pinned = False
     if pin:
-        nbytes = os.path.getsize(path)
-        err = torch.cuda.cudart().cudaHostRegister(states.data_ptr(), nbytes, 0)
+        first = regions["states"]
+        err = torch.cuda.cudart().cudaHostRegister(first.data_ptr(), layout.offsets()[1], 0)
         pinned = int(err) == 0
         if not pinned:
             log.warning("cudaHostRegister failed (%s): unpinned copies", err)
-    return states, scales, pinned
+    return regions, pinned

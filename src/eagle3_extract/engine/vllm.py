@@ -33,6 +33,9 @@ from .worker import QUALNAME
 
 # Rows beyond max_num_batched_tokens in the capture buffers (step padding).
 CAPTURE_SLACK_ROWS = 1024
+# A call's device-to-host copy takes milliseconds; this long without its ready mark means
+# a worker is gone.
+READY_TIMEOUT_S = 120.0
 # Set by the driver; a user's engine.vllm_args may not change them.
 FIXED_ARGS = {
     "enable_prefix_caching": False,
@@ -188,7 +191,7 @@ def locate(steps: list, positions: torch.Tensor, prompt_lens: dict[str, int],
     return [where[rid] for rid in req_ids]
 
 
-def check_replies(replies: list, num_columns: int) -> tuple[list, torch.Tensor, torch.Tensor]:
+def check_replies(replies: list, num_columns: int) -> tuple[list, torch.Tensor]:
     """Every stage agrees on the token layout and every layer column came back once."""
     parts = [r for r in replies if r is not None]
     if not parts:
@@ -200,8 +203,7 @@ def check_replies(replies: list, num_columns: int) -> tuple[list, torch.Tensor, 
     covered = sorted(c for part in parts for c in part["columns"])
     if covered != list(range(num_columns)):
         raise RuntimeError(f"captured layer columns {covered} are not each layer once")
-    finite = torch.stack([part["finite"] for part in parts]).all(dim=0)
-    return steps, positions, finite
+    return steps, positions
 
 
 class VllmEngine:
@@ -237,6 +239,8 @@ class VllmEngine:
             "async_scheduling": vc.scheduler_config.async_scheduling,
             "executor": vc.parallel_config.distributed_executor_backend,
             "host_buffer_pinned": self.pinned,
+            "copy_overlaps_prefill": self.overlap,
+            "states": str(self.storage.stored_dtype(self.dtype)).removeprefix("torch."),
         }
 
     # --- start-up, as vllm.v1.engine.core.EngineCore does it --------------------------
@@ -251,15 +255,21 @@ class VllmEngine:
         if covered != list(range(len(self.layer_ids))):
             raise RuntimeError(f"capture plan covers layer columns {covered}, expected each "
                                f"of {list(range(len(self.layer_ids)))} once: {plans}")
-        self.host = hostbuf.HostBuffer(slots, rows, len(self.layer_ids),
-                                       self.vllm_config.model_config.get_hidden_size(),
-                                       self.storage.stored_dtype(self.dtype), scale_cols)
+        self._stages = sorted(plan["pp_rank"] for plan in plans if plan)
+        layout = hostbuf.Layout(slots, rows, len(self.layer_ids),
+                                self.vllm_config.model_config.get_hidden_size(),
+                                self.storage.stored_dtype(self.dtype), scale_cols,
+                                stages=max(plan["pp_size"] for plan in plans if plan))
+        self.host = hostbuf.HostBuffer(layout)
         try:
             replies = self.executor.collective_rpc(
-                "capture_attach_host", args=(self.host.path, self.host.shape, self.host.host))
+                "capture_attach_host", args=(self.host.path, layout, self.host.host))
         finally:
             self.host.unlink()  # every process maps it now: nothing can outlive the job
         self.pinned = all(r["pinned"] for r in replies if r)
+        self.overlap = self.pinned and all(p["overlap"] for p in plans if p)
+        self._tickets = 0
+        self._closing = threading.Event()
 
     def _setup_scheduler(self) -> None:
         from vllm.v1.core.kv_cache_utils import (
@@ -335,19 +345,24 @@ class VllmEngine:
         """The same scheduler steps with capture off (the benchmark's baseline)."""
         self._run([s.input_ids for s in batch.samples], capture=False)
 
-    def extract(self, batch: Batch) -> ExtractedBatch:
+    def extract(self, batch: Batch, wait: bool = True) -> ExtractedBatch:
+        """Prefill `batch` and capture it into a host slot.
+
+        `wait=False` (the job's loop): return as soon as the copy is under way; on CUDA
+        it overlaps the next call's prefill, and `ExtractedBatch.wait()` (the Writer
+        calls it) blocks until the slot's ready marks say the rows have landed, then
+        refuses NaN/Inf rows. `wait=True` returns only states that are there.
+        """
         t0 = time.perf_counter()
         lens = self._run([s.input_ids for s in batch.samples], capture=True)
         slot = self.host.acquire()
         release = _once(lambda: self.host.release(slot))
+        self._tickets += 1
+        ticket = self._tickets
         try:
-            replies = self.executor.collective_rpc("capture_flush", args=(slot,))
-            steps, positions, finite = check_replies(replies, len(self.layer_ids))
+            replies = self.executor.collective_rpc("capture_flush", args=(slot, ticket))
+            steps, positions = check_replies(replies, len(self.layer_ids))
             spans = locate(steps, positions, lens, list(lens))
-            bad = [batch.samples[i].index for i, (first, n) in enumerate(spans)
-                   if not finite[first:first + n].all()]
-            if bad:
-                raise RuntimeError(f"NaN or Inf in the hidden states of samples {bad}")
         except BaseException:
             release()
             raise
@@ -357,11 +372,46 @@ class VllmEngine:
         if self.host.scales is not None:  # [n, 1, 1] or [n, L, 1], as the file stores them
             scales = [self.host.scales[slot, first:first + n].unsqueeze(-1)
                       for first, n in spans]
-        return ExtractedBatch(batch.samples, states, release=release,
-                              seconds=time.perf_counter() - t0, finite_checked=True,
-                              scales=scales)
+        eb = ExtractedBatch(batch.samples, states, release=release,
+                            seconds=time.perf_counter() - t0, finite_checked=True,
+                            scales=scales,
+                            ready=_once_result(lambda: self._wait_ready(slot, ticket, spans,
+                                                                        batch)))
+        if wait:
+            try:
+                eb.wait()
+            except BaseException:
+                release()
+                raise
+        return eb
+
+    def _wait_ready(self, slot: int, ticket: int, spans: list[tuple[int, int]],
+                    batch: Batch) -> None:
+        """Until every capturing stage's ready mark for `slot` is `ticket`; then the
+        device's finite flags of every row."""
+        ready = self.host.ready[slot]
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while any(int(ready[k]) != ticket for k in self._stages):
+            if self._closing.is_set():
+                raise RuntimeError("the engine stopped before the device-to-host copy of "
+                                   f"samples {[s.index for s in batch.samples][:5]} finished")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the device-to-host copy of slot {slot} did not finish "
+                                   f"in {READY_TIMEOUT_S:.0f} s (a worker died?)")
+            time.sleep(0.0002)
+        finite = self.host.finite[slot, self._stages].bool().all(dim=0)
+        bad = [batch.samples[i].index for i, (first, n) in enumerate(spans)
+               if not finite[first:first + n].all()]
+        if bad:
+            raise RuntimeError(f"NaN or Inf in the hidden states of samples {bad}")
+
+    def abort(self) -> None:
+        """Unblock waiters of copies that will not finish (the job is failing)."""
+        if hasattr(self, "_closing"):
+            self._closing.set()
 
     def close(self) -> None:
+        self.abort()
         executor = self.__dict__.pop("executor", None)
         if executor is not None:
             executor.shutdown()
@@ -375,6 +425,25 @@ class VllmEngine:
             host.close()
         if self._affinity:
             os.sched_setaffinity(0, self._affinity)
+
+
+def _once_result(fn):
+    """`fn` run once, by whichever thread asks first; its error re-raised to every caller."""
+    lock = threading.Lock()
+    state: dict = {}
+
+    def call() -> None:
+        with lock:
+            if "error" not in state and "done" not in state:
+                try:
+                    fn()
+                    state["done"] = True
+                except BaseException as e:  # noqa: BLE001 - re-raised below, to each caller
+                    state["error"] = e
+        if "error" in state:
+            raise state["error"]
+
+    return call
 
 
 def _once(fn):

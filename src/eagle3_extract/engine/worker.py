@@ -63,26 +63,37 @@ class CaptureExtension:
         if not self._columns:
             return None
         hidden = runner.model_config.get_hidden_size()
-        self._device_buf = torch.empty((max_rows, len(layer_ids), hidden),
-                                       dtype=runner.model_config.dtype, device=runner.device)
+        shape = (max_rows, len(layer_ids), hidden)
+        # On CUDA the copy of call i runs on a side stream while call i+1's prefill runs:
+        # two device buffers, the hooks of one call filling one while the other is copied.
+        self._overlap = runner.device.type == "cuda"
+        self._device_bufs = [torch.empty(shape, dtype=runner.model_config.dtype,
+                                         device=runner.device)
+                             for _ in range(2 if self._overlap else 1)]
+        self._buf = 0
+        self._device_buf = self._device_bufs[0]
+        self._copy_stream = torch.cuda.Stream(runner.device) if self._overlap else None
+        self._copied: list = [None] * len(self._device_bufs)  # events: buffer k was read
         self._positions = torch.empty(max_rows, dtype=torch.long, device=runner.device)
+        self._finite = torch.empty(max_rows, dtype=torch.uint8, device=runner.device)
+        self._ticket = torch.empty(1, dtype=torch.int64, device=runner.device)
         if self._scale_cols:
             if self._scale_cols == 1 and self._columns != list(range(len(layer_ids))):
                 raise RuntimeError("one fp8 scale per token spans every layer; this stage "
                                    f"owns columns {self._columns}: use fp8_scale=token_layer")
-            self._device_q = torch.empty(self._device_buf.shape, dtype=FP8,
-                                         device=runner.device)
+            self._device_q = torch.empty(shape, dtype=FP8, device=runner.device)
             self._device_s = torch.empty((max_rows, self._scale_cols), dtype=torch.float32,
                                          device=runner.device)
         for column in self._columns:
             hook = self._hook(column, first=column == self._columns[0])
             self._capture_hooks.append(
                 layers[layer_ids[column] - 1].register_forward_hook(hook, with_kwargs=True))
-        pp_rank = get_pp_group().rank_in_group
+        self._pp_rank = pp_rank = get_pp_group().rank_in_group
         log.debug("capture on PP rank %d (%s, %d layers): ids %s", pp_rank, path, len(layers),
                  [layer_ids[c] for c in self._columns])
-        return {"pp_rank": pp_rank, "columns": self._columns, "layers_path": path,
-                "num_layers": len(layers)}
+        return {"pp_rank": pp_rank, "pp_size": get_pp_group().world_size,
+                "columns": self._columns, "layers_path": path, "num_layers": len(layers),
+                "overlap": self._overlap}
 
     def _hook(self, column: int, first: bool):
         def hook(module, args, kwargs, output):
@@ -116,36 +127,68 @@ class CaptureExtension:
         self._steps, self._rows = [], 0
         self.capture_enabled = enabled
 
-    def capture_attach_host(self, path: str, shape: tuple[int, ...], driver_host: str):
+    def capture_attach_host(self, path: str, layout: hostbuf.Layout, driver_host: str):
         """Map the driver's shared host buffer (engine/hostbuf.py)."""
         if self._device_buf is None:
             return None
-        dtype = FP8 if self._scale_cols else self._device_buf.dtype
-        self._host_buf, self._host_scales, self._host_pinned = hostbuf.attach(
-            path, tuple(shape), dtype, self._scale_cols, driver_host,
-            pin=self._device_buf.is_cuda)
+        self._host, self._host_pinned = hostbuf.attach(path, layout, driver_host,
+                                                       pin=self._device_buf.is_cuda)
+        if not self._host_pinned:
+            self._overlap = False  # a pageable copy is synchronous anyway
         return {"pinned": self._host_pinned}
 
-    def capture_flush(self, slot: int) -> dict | None:
+    def capture_flush(self, slot: int, ticket: int) -> dict | None:
         """Copy this call's rows into host slot `slot`: one device-to-host copy per call.
 
-        Returns the layout only (columns owned, steps, positions, a per-row finite
-        flag computed on the device); the states are in the slot.
+        Returns the layout only (columns owned, steps, positions); the rows, their
+        per-row finite flags (computed on the device) and, last, `ticket` as the slot's
+        ready mark go into the host buffer. On CUDA with a pinned buffer that happens on
+        a side stream and this returns at once: the copy overlaps the next call's
+        prefill, and the driver's writer waits for the mark (VllmEngine._wait_ready).
         """
         if self._device_buf is None:
             return None
-        rows, c0, c1 = self._rows, self._columns[0], self._columns[-1] + 1
+        rows, steps = self._rows, self._steps
+        positions = self._positions[:rows].to("cpu")  # the main stream: its prefill is done
+        if self._overlap:
+            main = torch.cuda.current_stream()
+            self._copy_stream.wait_stream(main)
+            with torch.cuda.stream(self._copy_stream):
+                self._copy_out(slot, ticket, rows)
+                done = torch.cuda.Event()
+                done.record()
+            self._copied[self._buf] = done
+            self._buf ^= 1
+            self._device_buf = self._device_bufs[self._buf]
+            if self._copied[self._buf] is not None:  # the next call's hooks overwrite it
+                main.wait_event(self._copied[self._buf])
+        else:
+            self._copy_out(slot, ticket, rows)
+            if self._device_buf.is_cuda:
+                torch.cuda.current_stream().synchronize()
+            self._host["ready"][slot, self._pp_rank] = ticket
+        self._steps, self._rows = [], 0
+        return {"columns": self._columns, "steps": steps, "positions": positions}
+
+    def _copy_out(self, slot: int, ticket: int, rows: int) -> None:
+        """Finite flags, fp8 (if asked), the copies, then the ready mark, in stream order."""
+        c0, c1 = self._columns[0], self._columns[-1] + 1
+        host, pinned = self._host, self._host_pinned
         captured = self._device_buf[:rows, c0:c1]
-        finite = torch.isfinite(captured).flatten(1).all(dim=1)
+        finite = self._finite[:rows]
         if self._scale_cols:  # fp8 on the device: the copy moves half the bytes
             s0, s1 = (c0, c1) if self._scale_cols > 1 else (0, 1)
             quantize_into(captured, self._device_q[:rows, c0:c1], self._device_s[:rows, s0:s1])
             captured = self._device_q[:rows, c0:c1]
-            self._host_scales[slot, :rows, s0:s1].copy_(self._device_s[:rows, s0:s1],
-                                                        non_blocking=self._host_pinned)
-        self._host_buf[slot, :rows, c0:c1].copy_(captured, non_blocking=self._host_pinned)
-        positions = self._positions[:rows].to("cpu")  # synchronizes the stream
-        out = {"columns": self._columns, "steps": self._steps, "positions": positions,
-               "finite": finite.to("cpu")}
-        self._steps, self._rows = [], 0
-        return out
+            # a NaN/Inf row has a non-finite scale (quant.quantize_into)
+            finite.copy_(torch.isfinite(self._device_s[:rows, s0:s1]).all(dim=1))
+            host["scales"][slot, :rows, s0:s1].copy_(self._device_s[:rows, s0:s1],
+                                                     non_blocking=pinned)
+        else:  # one reduction, no [rows, L, H] temporary: NaN and Inf survive a sum
+            finite.copy_(torch.isfinite(captured.sum(dim=(1, 2), dtype=torch.float32)))
+        host["states"][slot, :rows, c0:c1].copy_(captured, non_blocking=pinned)
+        host["finite"][slot, self._pp_rank, :rows].copy_(finite, non_blocking=pinned)
+        if self._overlap:
+            self._ticket.fill_(ticket)
+            host["ready"][slot, self._pp_rank:self._pp_rank + 1].copy_(self._ticket,
+                                                                       non_blocking=True)
