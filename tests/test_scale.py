@@ -362,3 +362,33 @@ def _gone(pid: int, within: float = 60) -> bool:
         if time.time() > deadline:
             return False
         time.sleep(0.1)
+
+
+def test_validate_across_shard_layouts_names_the_shards_that_finish_it(tmp_path, offline):
+    """Shard 0 of 2, then shard 1 of 2 redone as shards 1 and 3 of 4 (more nodes): every
+    file is there, but the latest layout is unfinished. eagle3-validate (and export) refuse
+    in one problem that names the shards to run; running them finds the files, writes none
+    again, and the dir validates, the earlier layout a warning."""
+    from eagle3_extract.export import ExportError, export
+    from eagle3_extract.job import run as extract
+    from eagle3_extract.validate import validate as validate_dir
+
+    out = tmp_path / "mixed"
+    extract(compose_cfg(*HF, f"output.dir={out}", "shard.count=2", "shard.index=0"))
+    for k in (1, 3):
+        extract(compose_cfg(*HF, f"output.dir={out}", "shard.count=4", f"shard.index={k}"))
+    assert len(data_files(out)) == N
+    report = validate_dir(out)
+    assert not report["ok"]
+    first = report["problems"][0]
+    assert first["code"] == "mixed_layouts" and "shard.index=<each of [0, 2]>" in first["message"]
+    with pytest.raises(ExportError, match="mixed|several shard layouts"):
+        export(out, tmp_path / "export")
+    before = {i: p.stat().st_mtime_ns for i, p in data_files(out).items()}
+    for k in (0, 2):
+        m = extract(compose_cfg(*HF, f"output.dir={out}", "shard.count=4", f"shard.index={k}"))
+        assert m["progress"]["written_this_run"] == 0
+    assert {i: p.stat().st_mtime_ns for i, p in data_files(out).items()} == before
+    report = validate_dir(out)
+    assert report["ok"], report["problems"][:3]
+    assert [w["code"] for w in report["warnings"]] == ["stale_manifest"]

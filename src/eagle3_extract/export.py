@@ -30,7 +30,7 @@ from .layout import SCALES_KEY, Storage, verified_files
 from .manifest import write_json_atomic
 from .token_freq import VOCAB_DIR
 from .quant import states_tensor
-from .validate import load_manifests, load_sample
+from .validate import complete_run, load_sample
 from .writer import save_safetensors
 
 FORMAT = "speculators-0.9"
@@ -44,9 +44,8 @@ class ExportError(Exception):
 def export(root: Path, out: Path) -> dict:
     """Write OUT from the extraction in ROOT (complete, verified); return export.json."""
     t0 = time.perf_counter()
-    manifests, problems = load_manifests(root)
-    if not manifests or any(m.status != "complete" for m in manifests):
-        why = problems[0].message if problems else "not every shard is complete"
+    manifests, why = complete_run(root)
+    if why:
         raise ExportError(f"{root}: {why}; finish the extraction first (eagle3-status)")
     fmt = str(manifests[0].config["output"]["format"])
     fp8 = Storage.from_output(manifests[0].config["output"]).fp8

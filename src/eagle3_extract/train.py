@@ -42,7 +42,7 @@ from .export import ExportError, export
 from .lock import ShardLock
 from .manifest import check_run_json, file_sha256, write_json_atomic, write_run_json
 from .token_freq import VOCAB_DIR, draft_vocab
-from .validate import load_manifests
+from .validate import complete_run
 
 log = logging.getLogger("eagle3_extract")
 
@@ -117,9 +117,8 @@ def preflight(cfg: Any) -> Plan:
     out = Path(str(cfg.output.dir)).expanduser().resolve()
     if not data.is_dir():
         raise ConfigError(f"data.dir={str(data)!r} does not exist: give an extraction's output.dir")
-    manifests, problems = load_manifests(data)
-    if not manifests or any(m.status != "complete" for m in manifests):
-        why = problems[0].message if problems else "not every shard is complete"
+    manifests, why = complete_run(data)
+    if why:
         raise PreflightError(f"data.dir={str(data)!r}: {why}; finish the extraction first")
     m = manifests[0]
     fmt = str(m.config["output"]["format"])

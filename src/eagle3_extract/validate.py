@@ -123,7 +123,9 @@ def load_manifests(root: Path) -> tuple[list[Manifest], list[Problem]]:
     One `manifest.json`, or one per shard (`shard.count > 1`, data parallelism).
     A rerun with another shard layout resumes from the same files and leaves the
     old layout's manifests behind: the layout updated last is the current one;
-    the others are reported (code "stale_manifest", a warning in `validate`).
+    the others are reported (code "stale_manifest", a warning in `validate`). While
+    the current layout is unfinished, no mix of layouts is pieced together: code
+    "mixed_layouts" names the shards that would finish it (their files are found).
     """
     paths = sorted((Path(e.path) for e in os.scandir(root) if MANIFEST_RE.match(e.name)),
                    key=lambda p: (p.name != "manifest.json", p.name))
@@ -144,11 +146,41 @@ def load_manifests(root: Path) -> tuple[list[Manifest], list[Problem]]:
     if not layouts:
         return [], problems
     current = max(layouts, key=lambda c: max(str(m.updated or "") for m in layouts[c]))
+    done = sorted(m.shard_index for m in layouts[current] if m.status == "complete")
+    if len(layouts) > 1 and done != list(range(current)):
+        # Files of several layouts, the latest one unfinished: one layout is what the
+        # checks (and export, and train) read, so say which shards would finish it.
+        todo = sorted(set(range(current)) - set(done))
+        others = ", ".join(f"shard.count={c} (shards {sorted(m.shard_index for m in ms)})"
+                           for c, ms in sorted(layouts.items()) if c != current)
+        problems.insert(0, Problem(
+            "dataset", "mixed_layouts", f"this dir holds files of several shard layouts: "
+            f"the latest, shard.count={current}, lacks complete shards {todo} (besides "
+            f"{others}); run shard.count={current} shard.index=<each of {todo}>: files "
+            "already there are re-checked, not redone, then validate again"))
+        return layouts[current], problems
     for c in sorted(set(layouts) - {current}):
         problems.append(Problem(
             "dataset", "stale_manifest", f"{names[c]} describe an earlier run with "
             f"shard.count={c}; checking against the later shard.count={current}"))
     return layouts[current], problems
+
+
+def complete_run(root: Path) -> tuple[list[Manifest], str | None]:
+    """The manifests of a finished extraction, or why it is not one (what export and
+    train read: every shard of the current layout complete, no unfinished mix)."""
+    manifests, problems = load_manifests(root)
+    blocking = [p for p in problems if p.code != "stale_manifest"]
+    if blocking:
+        return manifests, blocking[0].message
+    if not manifests:
+        return [], "no manifest.json"
+    count = manifests[0].shard_count
+    not_done = sorted(set(range(count))
+                      - {m.shard_index for m in manifests if m.status == "complete"})
+    if not_done:
+        return manifests, f"shards {not_done} of shard.count={count} are not complete"
+    return manifests, None
 
 
 def _dtype(name: Any) -> torch.dtype | None:
