@@ -204,3 +204,33 @@ def test_fp8_config_errors_are_one_line_exit_2(tmp_path):
         assert r.returncode == 2, r.stderr[-2000:]
         lines = [ln for ln in r.stderr.strip().splitlines() if ln.strip()]
         assert len(lines) == 1 and words in lines[0], r.stderr
+
+
+def test_preflight_prints_the_disk_the_run_needs(tmp_path):
+    """Before the engine starts: bytes a token (fp8: L x H + 4) and the total."""
+    for args, per_token, what in ((("output=fp8",), 4 * 128 + 4, "fp8 + scales"),
+                                  ((), 4 * 128 * 2, "bfloat16")):
+        r = run_cli("engine=hf", "dry_run=true", *args, f"output.dir={tmp_path / what[:4]}")
+        assert r.returncode == 0, r.stderr[-2000:]
+        out = r.stdout + r.stderr
+        assert f"({per_token} bytes a token, states {what})" in out, out[-2000:]
+
+
+def test_the_time_estimate_comes_from_the_calibrated_rate(monkeypatch, caplog):
+    """One line after CALIBRATE_S of landed files, from the rate since the first file (the
+    engine start and the first batch excluded), then nothing more."""
+    import logging
+
+    from eagle3_extract import progress
+    from eagle3_extract.types import Sample
+
+    clock = iter([100.0, 101.0, 103.0, 125.0, 126.0, 127.0])
+    monkeypatch.setattr(progress.time, "perf_counter", lambda: next(clock))
+    p = progress.Progress(total_samples=5, total_tokens=500, enabled=False)  # t0 = 100
+    with caplog.at_level(logging.INFO, logger="eagle3_extract.job"):
+        for _ in range(5):
+            p.on_sample(Sample(0, [1] * 100, [1] * 100), 1000)
+    # first file at 101 (100 tokens), the third at 125: 200 tokens in 24 s
+    assert p.estimate == {"tokens_per_s": 8.3, "seconds_left": 24.0, "after_tokens": 300}
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("time:")]
+    assert len(lines) == 1 and "about 0:00:24 for the 200 left" in lines[0], lines
