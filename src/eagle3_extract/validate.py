@@ -133,19 +133,23 @@ def load_manifests(root: Path) -> tuple[list[Manifest], list[Problem]]:
         return [], [Problem("dataset", "manifest", "no manifest.json (nor shard manifests)")]
     layouts: dict[int, list[Manifest]] = {}
     names: dict[int, list[str]] = {}
+    # when each layout was last written: `updated` (seconds), then the file's mtime (ns)
+    last: dict[int, tuple[str, int]] = {}
     problems = []
     for p in paths:
         try:
             m = Manifest.read(p)
+            written = (str(m.updated or ""), p.stat().st_mtime_ns)
         except (OSError, ValueError) as e:
             problems.append(Problem(p.name, "manifest", f"unreadable: {e}"))
             continue
         count = m.shard_count
         layouts.setdefault(count, []).append(m)
         names.setdefault(count, []).append(p.name)
+        last[count] = max(last.get(count, written), written)
     if not layouts:
         return [], problems
-    current = max(layouts, key=lambda c: max(str(m.updated or "") for m in layouts[c]))
+    current = max(layouts, key=lambda c: last[c])
     done = sorted(m.shard_index for m in layouts[current] if m.status == "complete")
     if len(layouts) > 1 and done != list(range(current)):
         # Files of several layouts, the latest one unfinished: one layout is what the
