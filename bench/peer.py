@@ -43,6 +43,28 @@ def conversations(n: int, seed: int, mean_words: int) -> list[dict]:
     return out
 
 
+def plain_prefill(report: dict, threads: int) -> dict:
+    """bench/plain_prefill.py in our env and in the peer's, on the run's token ids."""
+    import subprocess
+
+    from eagle3_extract import peer
+
+    m = report["model"]
+    args = [str(ROOT / "bench/plain_prefill.py"), "--model", str(m["resolved_path"]),
+            "--tokens", str(Path(report["run_dir"]) / "tokens.jsonl"), "--dtype",
+            str(m["dtype"]), "--max-model-len", str(report["max_model_len"])]
+    out = {}
+    for side, python in (("ours", sys.executable), ("peer", str(peer.PEER_PYTHON))):
+        proc = subprocess.run([python, *args], env=peer.thread_env(threads),
+                              capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise peer.PeerError(f"plain prefill ({side}) failed: "
+                                 f"{proc.stderr.strip().splitlines()[-1:]}")
+        # vLLM logs to stdout too: the result is the line plain_prefill.py prints last
+        out[side] = json.loads([x for x in proc.stdout.splitlines() if x.startswith('{"vllm"')][-1])
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     from eagle3_extract import peer
 
@@ -55,6 +77,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--json", type=Path, help="also write the report here")
+    p.add_argument("--plain-prefill", action="store_true",
+                   help="also time each vLLM's plain prefill (bench/plain_prefill.py) on the "
+                        "same ids: splits the gap into engine and capture")
     p.add_argument("overrides", nargs="*", help="more Hydra overrides for our job")
     a = p.parse_args(argv)
 
@@ -88,6 +113,14 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  ratio ours / peer: tokens/s {r['ratio_tokens_per_s']:.3f}, wall "
           f"{q['timings']['wall_s'] / o['timings']['wall_s']:.3f} (peer / ours), first file "
           f"{q['timings']['first_file_s'] / o['timings']['first_file_s']:.3f} (peer / ours)")
+    if a.plain_prefill:
+        r["plain_prefill"] = plain_prefill(r, a.threads)
+        o16, o32 = r["plain_prefill"]["ours"], r["plain_prefill"]["peer"]
+        print(f"  plain prefill (nothing captured): vLLM {o16['vllm']} {o16['tokens_per_s']:.0f}"
+              f" tok/s, vLLM {o32['vllm']} {o32['tokens_per_s']:.0f} tok/s = "
+              f"{o16['tokens_per_s'] / o32['tokens_per_s']:.3f}; extraction / own prefill: "
+              f"ours {o['timings']['tokens_per_s'] / o16['tokens_per_s']:.3f}, peer "
+              f"{q['timings']['tokens_per_s'] / o32['tokens_per_s']:.3f}")
     c = r["comparison"]
     worst = max(v["max"] for v in c["worst"].values())
     print(f"  equal within {r['model']['dtype']} tolerance: {c['equal']} "

