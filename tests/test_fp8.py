@@ -44,6 +44,7 @@ print("same bytes as hs_connectors")
 """
 
 
+@pytest.mark.engine  # runs in .venv-train, which the image does not carry
 def test_quantize_is_hs_connectors_bit_for_bit(tmp_path):
     from safetensors.torch import save_file
 
