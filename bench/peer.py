@@ -21,8 +21,7 @@ import re
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-SAMPLE_SET = ROOT / "src/eagle3_extract/assets/sample/conversations.jsonl"
+from inputs import ROOT, SAMPLE_SET
 
 
 def conversations(n: int, seed: int, mean_words: int) -> list[dict]:

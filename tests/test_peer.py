@@ -37,7 +37,7 @@ def test_our_states_equal_the_upstream_path(arch, tmp_path, offline):
     """bench/peer.py as CI's smoke of the speed harness (no timing asserted), then its
     report's comparison."""
     from eagle3_extract import peer
-    from eagle3_extract.verify import is_moe, tolerance
+    from eagle3_extract.verify import Tol
 
     out = tmp_path / "side"
     proc = subprocess.run([sys.executable, str(ROOT / "bench/peer.py"), "--model", arch,
@@ -61,8 +61,6 @@ def test_our_states_equal_the_upstream_path(arch, tmp_path, offline):
     ours = peer.our_samples(out / "run" / "ours")
     for s in ours.values():
         s["hidden_states"] = s["hidden_states"][:, [1, 0, *range(2, len(ids))]]
-    swapped = peer.compare(ours, out / "run" / "peer", ids,
-                           tolerance(report["model"]["dtype"],
-                                     is_moe(report["model"]["resolved_path"])))
+    swapped = peer.compare(ours, out / "run" / "peer", ids, Tol(**c["tolerance"]))
     assert not swapped["equal"]
     assert swapped["worst"][str(ids[0])]["median"] > 10 * c["worst"][str(ids[0])]["median"]

@@ -58,11 +58,13 @@ def thread_env(threads: int) -> dict[str, str]:
 
 
 def _first_file(root: Path, stop: threading.Event, seen: list[float]) -> None:
-    while not stop.is_set() and not seen:
-        for dirpath, _, names in os.walk(root):
-            if any(n.endswith(".safetensors") for n in names):
-                seen.append(time.perf_counter())
-                return
+    """When the first final sample file (layout.sample_files: no temps) lands."""
+    from .layout import sample_files
+
+    while not stop.is_set():
+        if sample_files(root, "safetensors"):
+            seen.append(time.perf_counter())
+            return
         time.sleep(0.05)
 
 
