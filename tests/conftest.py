@@ -8,6 +8,7 @@ transformers.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -18,6 +19,41 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("VLLM_MLA_DISABLE", "1")
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0|1" if (os.cpu_count() or 1) >= 2 else "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def _leaked_shm(before: set[str]) -> list[str]:
+    """/dev/shm entries made since `before` that no live process maps or holds open."""
+    from eagle3_extract import shm_watch
+
+    new = {str(p) for p in shm_watch.SHM.iterdir()} - before
+    if not new:
+        return []
+    in_use: set[str] = set()
+    for pid in shm_watch._parents():
+        in_use |= shm_watch.shm_files_of(pid)
+    return sorted(new - in_use)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def no_shm_left_behind(request):
+    """No /dev/shm entry outlives the tests of a module, killed jobs' included (their
+    watcher, shm_watch.py, or Python's resource tracker removes them within seconds)."""
+    import time
+
+    from eagle3_extract import shm_watch
+
+    if not shm_watch.SHM.is_dir():
+        yield
+        return
+    before = {str(p) for p in shm_watch.SHM.iterdir()}
+    yield
+    deadline = time.monotonic() + 20
+    while (left := _leaked_shm(before)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    if left:
+        for path in left:  # so that one leak is not blamed on every later module
+            Path(path).unlink(missing_ok=True)
+        pytest.fail(f"{request.module.__name__} left {left} in /dev/shm", pytrace=False)
 
 
 def model_cfg(arch: str = "llama", dtype: str = "bfloat16", **kw) -> SimpleNamespace:

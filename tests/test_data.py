@@ -6,6 +6,7 @@ All with the committed tokenizer and its real chat template (no engine needed).
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -253,6 +254,28 @@ def test_parallel_tokenization_equals_serial(tok, tmp_path):
     for k in ("indices", "offsets", "ids", "mask", "truncated"):
         assert np.array_equal(getattr(one, k), getattr(two, k)), k
     assert one.report == two.report and one.report["skipped_total"] == len(BAD_ROWS)
+
+
+def test_parallel_tokenization_under_the_jobs_sigterm_handler_is_quiet(tok, tmp_path, capfd):
+    """The job raises Interrupted on SIGTERM; the pool's workers must not inherit that (a
+    finished pool printed `Interrupted: 15` tracebacks), and a pool leaves no semaphore."""
+    import signal
+
+    from eagle3_extract.errors import raise_interrupted
+
+    shm_before = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+    rows = read_rows(ds_cfg(SAMPLE))
+    order = seeded_order(len(rows), 5, True, None)
+    old = signal.signal(signal.SIGTERM, raise_interrupted)
+    try:
+        two = tokenize_rows(rows, order, Renderer(tok), 300, "truncate", num_proc=2)
+    finally:
+        signal.signal(signal.SIGTERM, old)
+    assert two.report["usable"] > 0
+    err = capfd.readouterr().err
+    assert "Traceback" not in err and "Interrupted" not in err, err
+    if os.path.isdir("/dev/shm"):
+        assert set(os.listdir("/dev/shm")) <= shm_before
 
 
 def test_json_and_parquet_files(tok, tmp_path):

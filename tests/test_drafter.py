@@ -195,7 +195,7 @@ def test_sigterm_stops_the_trainer_and_a_rerun_finishes(trained):
 
     out = trained / "d-term"
     args = [sys.executable, "-m", "eagle3_extract.train", f"data.dir={trained / 'x'}",
-            "train=small", "train.epochs=20", "train.total_seq_len=256",
+            "train=small", "train.epochs=3", "train.total_seq_len=256",
             "train.draft_vocab_size=256", f"output.dir={out}"]
     proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)

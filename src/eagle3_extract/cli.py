@@ -30,8 +30,12 @@ def quiet_engine_logs(verbose: bool) -> None:
 
 def run_guarded(prog: str, fn: Any, cfg: DictConfig, interrupted: str) -> None:
     """Run a job's `fn(cfg)` with the exits every command of ours shares: a preflight or
-    config error is one line and exit 2, a signal 128 + its number, a JobError its own code."""
+    config error is one line and exit 2, a signal 128 + its number, a JobError its own code.
+    A watcher removes the shared memory the job's processes leave if they are SIGKILLed."""
+    from . import shm_watch
+
     quiet_engine_logs(bool(cfg.verbose))
+    shm_watch.start()
     try:
         fn(cfg)
     except PreflightError as e:

@@ -652,6 +652,15 @@ def _tokenize_span(rows: list[Any], order: list[int], start: int, stop: int,
 _FORKED: tuple | None = None  # what forked tokenizer workers inherit (never pickled)
 
 
+def _forked_worker_init() -> None:
+    """A worker takes the default SIGTERM (the pool's terminate() must end it quietly, not
+    raise the job's Interrupted in it) and ignores SIGINT (Ctrl-C is the parent's to act on)."""
+    import signal
+
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def _forked_span(bounds: tuple[int, int]) -> dict[str, Any]:
     rows, order, renderer, max_length, overlong = _FORKED
     return _tokenize_span(rows, order, bounds[0], bounds[1], renderer, max_length, overlong)
@@ -684,10 +693,15 @@ def tokenize_rows(
         step = -(-n // (num_proc * 4))
         spans = [(a, min(a + step, n)) for a in range(0, n, step)]
         _FORKED = (rows, order, renderer, max_length, overlong)
+        pool = mp.get_context("fork").Pool(num_proc, initializer=_forked_worker_init)
         try:
-            with mp.get_context("fork").Pool(num_proc) as pool:
-                parts = pool.map(_forked_span, spans, chunksize=1)
+            parts = pool.map(_forked_span, spans, chunksize=1)
+            pool.close()  # the workers exit on their own; nothing is killed on success
+        except BaseException:
+            pool.terminate()
+            raise
         finally:
+            pool.join()
             _FORKED = None
     skipped: Counter[str] = Counter({r: 0 for r in SKIP_REASONS})
     not_rendered: Counter[str] = Counter({"reasoning_content": 0, "tool_calls": 0})

