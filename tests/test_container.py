@@ -264,10 +264,9 @@ def test_series_hash_script_matches_the_patch_program():
     value = res.stdout.strip()
     assert re.fullmatch(r"[0-9a-f]{64}", value)
     assert value == _python_series_hash(PATCHES)
-    spec = importlib.util.spec_from_file_location(
-        "_patching_under_test", ROOT / "src" / "eagle3_extract" / "patching.py")
-    patching = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(patching)
+    from eagle3_extract import patching  # installed editable: the source tree's file
+
+    assert Path(patching.__file__).resolve() == ROOT / "src" / "eagle3_extract" / "patching.py"
     assert value == patching.series_hash(PATCHES)
 
 

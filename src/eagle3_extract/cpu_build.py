@@ -8,7 +8,8 @@ the CPU (`cpu_attn._get_attn_isa`), and the other builds have none ("Unsupported
 attention configuration: ... isa=0" at the first forward pass).
 
 Standard library only: `make venv` runs this file with the system Python before the
-environment exists (`python3 src/eagle3_extract/cpu_build.py pick`).
+environment exists (`python3 -P src/eagle3_extract/cpu_build.py pick`; -P keeps this
+folder off sys.path, where types.py would shadow the standard library's).
 """
 
 from __future__ import annotations

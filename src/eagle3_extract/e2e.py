@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import queue
 import subprocess
 import sys
 import time
@@ -28,13 +29,39 @@ from .manifest import write_json_atomic
 CONTROL_MARK = "e2e_control"  # sample metadata: the last layer was replaced by its post-norm
 
 
-def _step(module: str, *overrides: str) -> None:
-    cmd = [sys.executable, "-m", f"eagle3_extract.{module}", *overrides]
-    print(f"e2e: {module} {' '.join(overrides)}", flush=True)
-    r = subprocess.run(cmd)
-    if r.returncode:
-        raise SystemExit(f"e2e: {module} exited {r.returncode}; fix it and rerun (each step "
-                         "resumes)")
+class Lane:
+    """Where a chain's steps run: the environment (its cores) and, beside other chains,
+    a log file for their output instead of the console."""
+
+    def __init__(self, env: dict[str, str] | None = None, log: Path | None = None):
+        self.env, self.log = env, log
+
+    def step(self, module: str, *overrides: str) -> None:
+        cmd = [sys.executable, "-m", f"eagle3_extract.{module}", *overrides]
+        where = f" (log {self.log})" if self.log else ""
+        print(f"e2e: {module} {' '.join(overrides)}{where}", flush=True)
+        if self.log:
+            self.log.parent.mkdir(parents=True, exist_ok=True)
+            with open(self.log, "a") as f:
+                r = subprocess.run(cmd, env=self.env, stdout=f, stderr=subprocess.STDOUT)
+        else:
+            r = subprocess.run(cmd, env=self.env)
+        if r.returncode:
+            raise SystemExit(f"e2e: {module} exited {r.returncode}{where}; fix it and rerun "
+                             "(each step resumes)")
+
+
+def core_groups(n: int) -> list[dict[str, str]]:
+    """The environments of n chains at once, each pinned to its share of this process's
+    cores (vLLM's VLLM_CPU_OMP_THREADS_BIND, OpenMP's thread count): two torch processes
+    spinning on the same cores run many times slower than one after the other."""
+    import os
+
+    cores = sorted(os.sched_getaffinity(0))
+    groups = ([cores[k * len(cores) // n:(k + 1) * len(cores) // n] for k in range(n)]
+              if len(cores) >= n else [[cores[k % len(cores)]] for k in range(n)])
+    return [{**os.environ, "OMP_NUM_THREADS": str(len(g)),
+             "VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, g))} for g in groups]
 
 
 def control_layer_ids(layer_ids: list[int]) -> tuple[list[int], list[int]]:
@@ -87,22 +114,65 @@ def post_norm_last_layer(root: Path) -> int:
     return done
 
 
-def chain(out: Path, args: argparse.Namespace, kind: str, layers: list[str],
-          served: list[str]) -> dict[str, Any]:
+def extract(out: Path, args: argparse.Namespace, kind: str, layers: list[str],
+            lane: Lane) -> Path:
     conv = out / "regenerated" / "conversations.jsonl"
-    ext, drafter, acc = out / f"extract-{kind}", out / f"drafter-{kind}", out / f"acceptance-{kind}"
-    _step("cli", f"model={args.model}", "dataset=local", f"dataset.path={conv}",
-          f"output.dir={ext}", *layers, *args.extract_args)
+    ext = out / f"extract-{kind}"
+    lane.step("cli", f"model={args.model}", "dataset=local", f"dataset.path={conv}",
+              f"output.dir={ext}", *layers, *args.extract_args)
     if kind == "control":
         n = post_norm_last_layer(ext)
         print(f"e2e: control: the last layer of {n} sample files replaced by its post-norm "
               "state (HF hidden_states[-1])", flush=True)
-    _step("train", f"data.dir={ext}", f"train={args.train}", f"output.dir={drafter}",
-          *served, *args.train_args)
-    _step("acceptance", f"model={args.model}", f"drafter.dir={drafter / 'drafter'}",
-          f"dataset.max_samples={args.heldout}", f"acceptance.max_tokens={args.max_tokens}",
-          f"output.dir={acc}")
+    return ext
+
+
+def train_and_measure(out: Path, args: argparse.Namespace, kind: str, served: list[str],
+                      lane: Lane) -> dict[str, Any]:
+    ext, drafter, acc = out / f"extract-{kind}", out / f"drafter-{kind}", out / f"acceptance-{kind}"
+    lane.step("train", f"data.dir={ext}", f"train={args.train}", f"output.dir={drafter}",
+              *served, *args.train_args)
+    lane.step("acceptance", f"model={args.model}", f"drafter.dir={drafter / 'drafter'}",
+              f"dataset.max_samples={args.heldout}", f"acceptance.max_tokens={args.max_tokens}",
+              f"output.dir={acc}")
     return json.loads((acc / "acceptance.json").read_text())
+
+
+def run_chains(out: Path, args: argparse.Namespace) -> dict[str, dict[str, Any]]:
+    """The real chain, the control and fp8 (as asked), `args.jobs` of them at once once the
+    real extraction (whose layer ids the control shifts) is done."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    extract(out, args, "real", [], Lane())  # on every core, before the others
+    plans: dict[str, tuple[list[str], list[str]]] = {"real": ([], [])}
+    if not args.no_control:
+        manifest = json.loads((out / "extract-real" / "manifest.json").read_text())
+        extract_ids, served_ids = control_layer_ids(manifest["layer_ids"])
+        plans["control"] = (
+            ["layers=explicit", f"layers.ids=[{','.join(map(str, extract_ids))}]"],
+            [f"train.served_layer_ids=[{','.join(map(str, served_ids))}]"])
+    if args.fp8:  # same answers, seeds and trainer settings: only the stored dtype differs
+        plans["fp8"] = (["output=fp8"], [])
+    names = list(plans)
+    jobs = max(1, min(args.jobs, len(names)))
+    slots: queue.Queue = queue.Queue()
+    for env in (core_groups(jobs) if jobs > 1 else [None]):
+        slots.put(env)
+
+    def one(name: str) -> dict[str, Any]:
+        layers, served = plans[name]
+        env = slots.get()  # a free core group: a chain never shares its cores
+        try:
+            lane = Lane(env, out / "logs" / f"{name}.log") if env else Lane()
+            if name != "real":
+                extract(out, args, name, layers, lane)
+            return train_and_measure(out, args, name, served, lane)
+        finally:
+            slots.put(env)
+
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        futures = {name: pool.submit(one, name) for name in names}
+        return {name: f.result() for name, f in futures.items()}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -123,36 +193,40 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fp8-drop", type=float, default=0.03,
                     help="with --fp8 and --min-first: fail when the fp8 drafter's "
                          "first-position acceptance is more than this below the real one's")
+    ap.add_argument("--jobs", type=int, default=1,
+                    help="chains (real, control, fp8) run at once after the real extraction, "
+                         "each pinned to its share of the cores; their output goes to "
+                         "<out>/logs/<chain>.log")
     ap.add_argument("--out", type=Path, default=None, help="default outputs/e2e/<model>")
     ap.add_argument("--extract-arg", dest="extract_args", action="append", default=[])
     ap.add_argument("--train-arg", dest="train_args", action="append", default=[])
     args = ap.parse_args(argv)
     out = (args.out or Path("outputs/e2e") / args.model).resolve()
     t0 = time.monotonic()
-    _step("regenerate", f"model={args.model}", "dataset=prompts",
+    Lane().step("regenerate", f"model={args.model}", "dataset=prompts",
           f"dataset.max_samples={args.samples}", f"generate.max_tokens={args.max_tokens}",
           f"output.dir={out / 'regenerated'}")
-    real = chain(out, args, "real", [], [])
+    reports = run_chains(out, args)
+    real = reports["real"]
     result: dict[str, Any] = {"model": args.model, "samples": args.samples,
-                              "heldout": args.heldout, "train": args.train, "real": real}
+                              "heldout": args.heldout, "train": args.train, "real": real,
+                              "jobs": args.jobs}
     problems = []
     first = real["acceptance_per_position"][0]
     if args.min_first is not None and first < args.min_first:
         problems.append(f"real drafter: first-position acceptance {first:.1%} < {args.min_first:.1%}")
-    if not args.no_control:
+    if "control" in reports:
         manifest = json.loads((out / "extract-real" / "manifest.json").read_text())
         extract_ids, served_ids = control_layer_ids(manifest["layer_ids"])
-        control = chain(out, args, "control",
-                        ["layers=explicit", f"layers.ids=[{','.join(map(str, extract_ids))}]"],
-                        [f"train.served_layer_ids=[{','.join(map(str, served_ids))}]"])
+        control = reports["control"]
         result["control"] = control
         result["control_layers"] = {"extracted": extract_ids, "served": served_ids}
         c_first = control["acceptance_per_position"][0]
         if args.min_first is not None and c_first > args.control_ratio * first:
             problems.append(f"control: first-position acceptance {c_first:.1%} is not below "
                             f"{args.control_ratio:g} x the real {first:.1%}")
-    if args.fp8:  # same answers, seeds and trainer settings: only the stored dtype differs
-        fp8 = chain(out, args, "fp8", ["output=fp8"], [])
+    if "fp8" in reports:
+        fp8 = reports["fp8"]
         result["fp8"] = fp8
         f_first = fp8["acceptance_per_position"][0]
         if args.min_first is not None and f_first < first - args.fp8_drop:
