@@ -25,13 +25,12 @@ def _leaked_shm(before: set[str]) -> list[str]:
     """/dev/shm entries made since `before` that no live process maps or holds open."""
     from eagle3_extract import shm_watch
 
-    new = {str(p) for p in shm_watch.SHM.iterdir()} - before
+    new = {i: paths for i, paths in shm_watch.entries().items()
+           if not set(paths) <= before}
     if not new:
         return []
-    in_use: set[str] = set()
-    for pid in shm_watch._parents():
-        in_use |= shm_watch.shm_files_of(pid)
-    return sorted(new - in_use)
+    used = shm_watch.in_use()
+    return sorted(p for i, paths in new.items() if i not in used for p in paths)
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -25,16 +25,33 @@ POLL_S = 1.0
 GIVE_UP_S = 900.0  # processes of the job still alive this long after it ended: leave it
 
 
+_WATCHED: dict[int, subprocess.Popen] = {}
+MODULE = "eagle3_extract.shm_watch"
+
+
 def start(pid: int | None = None) -> subprocess.Popen | None:
-    """Watch process `pid` (default: this one) and what it starts; None where there is
-    no /proc or /dev/shm (then there is nothing to clean either)."""
+    """Watch process `pid` (default: this one) and what it starts, once per process (a
+    Hydra multirun runs several jobs in one); None where there is no /proc or /dev/shm
+    (then there is nothing to clean either)."""
     if not (SHM.is_dir() and Path("/proc/self/maps").exists()):
         return None
     pid = os.getpid() if pid is None else pid
-    return subprocess.Popen(
-        [sys.executable, "-m", "eagle3_extract.shm_watch", str(pid), str(_start_time(pid))],
+    if pid in _WATCHED and _WATCHED[pid].poll() is None:
+        return _WATCHED[pid]
+    _WATCHED[pid] = subprocess.Popen(
+        [sys.executable, "-m", MODULE, str(pid), str(_start_time(pid))],
         start_new_session=True, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL, close_fds=True)
+    return _WATCHED[pid]
+
+
+def _is_watcher(pid: int) -> bool:
+    """Another job's (or this job's other) watcher: followed, two would wait for each
+    other forever."""
+    try:
+        return MODULE.encode() in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
 
 
 def _start_time(pid: int) -> int | None:
@@ -60,69 +77,96 @@ def _parents() -> dict[int, int]:
     return out
 
 
-def shm_files_of(pid: int) -> set[str]:
-    """The /dev/shm paths process `pid` maps or holds open."""
+def shm_inodes_of(pid: int) -> set[int]:
+    """The inodes of /dev/shm files process `pid` maps or holds open. Inodes, not names:
+    glibc's sem_open maps a temp file it then links to the semaphore's name."""
     prefix = f"{SHM}/"
     found = set()
     try:
         for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
-            path = line.split(maxsplit=5)[5] if line.count(" ") >= 5 else ""
-            if path.startswith(prefix):
-                found.add(path.removesuffix(" (deleted)"))
-    except (OSError, IndexError):
+            parts = line.split(maxsplit=5)
+            if len(parts) == 6 and parts[5].startswith(prefix):
+                found.add(int(parts[4]))
+    except (OSError, ValueError):
         pass
     try:
         for fd in os.listdir(f"/proc/{pid}/fd"):
             try:
-                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if os.readlink(f"/proc/{pid}/fd/{fd}").startswith(prefix):
+                    found.add(os.stat(f"/proc/{pid}/fd/{fd}").st_ino)
             except OSError:
                 continue
-            if target.startswith(prefix):
-                found.add(target.removesuffix(" (deleted)"))
     except OSError:
         pass
     return found
+
+
+def entries() -> dict[int, list[str]]:
+    """The files in /dev/shm by inode."""
+    out: dict[int, list[str]] = {}
+    try:
+        with os.scandir(SHM) as it:
+            for e in it:
+                if e.is_file(follow_symlinks=False):
+                    out.setdefault(e.inode(), []).append(e.path)
+    except OSError:
+        pass
+    return out
+
+
+def in_use() -> set[int]:
+    """The inodes of /dev/shm files any process maps or holds open."""
+    used: set[int] = set()
+    for p in _parents():
+        used |= shm_inodes_of(p)
+    return used
+
+
+def shm_files_of(pid: int) -> set[str]:
+    """The /dev/shm paths whose files process `pid` maps or holds open."""
+    inodes, names = shm_inodes_of(pid), entries()
+    return {path for i in inodes for path in names.get(i, [])}
 
 
 def watch(main_pid: int, main_start: int | None) -> list[str]:
     """Follow the job's process tree until it is gone; return the paths it unlinked."""
     me = os.getpid()  # a child of the job too, not to be waited for
     alive = {main_pid: main_start} if main_start is not None else {}
-    noted: set[str] = set()
+    noted: set[int] = set()  # inodes
     ended_at = None
     while True:
-        alive = {p: t for p, t in alive.items() if _start_time(p) == t}
+        alive = {p: t for p, t in alive.items()  # a watcher may have been seen pre-exec
+                 if _start_time(p) == t and (p == main_pid or not _is_watcher(p))}
         parents = _parents()
         grew = True
         while grew:  # descendants of anything we follow (their parents may be gone since)
             grew = False
             for p, pp in parents.items():
-                if pp in alive and p not in alive and p != me:
+                if pp in alive and p not in alive and p != me and not _is_watcher(p):
                     t = _start_time(p)
                     if t is not None:
                         alive[p] = t
                         grew = True
         for p in alive:
-            noted |= shm_files_of(p)
+            noted |= shm_inodes_of(p)
         if main_pid not in alive:
             ended_at = ended_at or time.monotonic()
             if not alive or time.monotonic() - ended_at > GIVE_UP_S:
                 break
         time.sleep(POLL_S)
-    leftovers = [p for p in sorted(noted) if os.path.exists(p)]
-    if not leftovers:
+    left = {i: paths for i, paths in entries().items() if i in noted}
+    if not left:
         return []
-    in_use: set[str] = set()
-    for p in _parents():
-        in_use |= shm_files_of(p)
+    used = in_use()
     removed = []
-    for path in leftovers:
-        if path not in in_use:
-            try:
-                os.unlink(path)
-                removed.append(path)
-            except OSError:
-                continue
+    for inode, paths in left.items():
+        if inode not in used:
+            for path in paths:
+                try:
+                    os.unlink(path)
+                    removed.append(path)
+                except OSError:
+                    continue
     return removed
 
 
