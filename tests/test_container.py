@@ -486,5 +486,10 @@ def test_scripts_are_executable_and_strict():
         assert text.startswith("#!/usr/bin/env bash\n"), path
         assert "set -euo pipefail" in text, path
     if in_checkout:
-        ci = [ln.strip() for ln in (ROOT / ".ci" / "run").read_text().splitlines()]
-        assert ci.index("make venv") < ci.index("make lint") < ci.index("make test")
+        text = (ROOT / ".ci" / "run").read_text()
+        order = [text.index(s) for s in ("    make venv venv-train venv-peer\n",
+                                         '" make lint\n', '" make test\n',
+                                         '" make test-engine\n', "make pipeline ", "make e2e ",
+                                         'wait "$image_pid"')]
+        assert order == sorted(order), order
+        assert "make image-test" in text and text.count("stage ") >= 6  # each stage timed
