@@ -487,9 +487,9 @@ def test_scripts_are_executable_and_strict():
         assert "set -euo pipefail" in text, path
     if in_checkout:
         text = (ROOT / ".ci" / "run").read_text()
-        order = [text.index(s) for s in ("    make venv venv-train venv-peer\n",
-                                         '" make lint\n', '" make test\n',
-                                         '" make test-engine\n', "make pipeline ", "make e2e ",
-                                         'wait "$image_pid"')]
+        order = [text.index(s) for s in ('" make venv\n', "    make test > ",
+                                         '" make venv-train venv-peer\n', '" make lint\n',
+                                         '" make test-engine\n', 'wait "$fast_pid"',
+                                         "make pipeline ", "make e2e ", 'wait "$image_pid"')]
         assert order == sorted(order), order
         assert "make image-test" in text and text.count("stage ") >= 6  # each stage timed
