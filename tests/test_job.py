@@ -360,9 +360,9 @@ def test_vllm_sigkill_then_resume_gives_the_uninterrupted_result(vllm_multirun, 
         held = set().union(*(shm_watch.shm_files_of(p) for p in group))
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
-    # vLLM's shared memory (its resource tracker died in the same kill) and our host
-    # buffer: the job's watcher, in a session of its own, removes them within seconds
-    assert any("/psm_" in p for p in held), held
+    # what the job's processes mapped in /dev/shm under a name (the uni executor's engine
+    # has little: our host buffer is unlinked once mapped; tests/test_shm_watch.py kills
+    # vLLM-like segments and locks) goes within seconds, by the job's watcher
     deadline = time.time() + 20
     while [p for p in held if os.path.exists(p)] and time.time() < deadline:
         time.sleep(0.2)
