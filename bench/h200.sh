@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The H200 figures of docs/BENCHMARKS.md: vLLM 0.16's Python code over the device's torch
-# (/work/shared/tools/h200-vllm016/README.md), an 8B Llama shape with dummy weights,
+# (../shared/tools/h200-vllm016/README.md), an 8B Llama shape with dummy weights,
 # 64 x 2048 synthetic tokens, 16 per call. On the device, from the checkout root, right
 # after step A of that kit (`bash .gpu-bundle/install-on-device.sh .gpu-bundle A`), carrying
 # .gpu-bundle/{whlB,vllm016-py.zip,install-on-device.sh} and whlC (hydra-core 1.3.2,

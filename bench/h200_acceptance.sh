@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU acceptance figures of docs/QUALITY.md: vLLM 0.16's own EAGLE-3 speculative
-# decoding (the H200 kit, /work/shared/tools/h200-vllm016/) and our hf loop on the same
+# decoding (the H200 kit, ../shared/tools/h200-vllm016/) and our hf loop on the same
 # GPU, for the drafters `make e2e` trained here (real and control), on the real
 # SmolLM2-135M-Instruct. Each call carries at most 64 MiB, so the model travels as its
 # GGUF in pieces (bench/h200_acceptance.sh stage, here), four calls back to back:

@@ -34,6 +34,8 @@ CPU_CONNECTOR = {"kv_connector": "CpuHiddenStatesConnector",
 START_TIMEOUT_S = 900
 
 
+LOCK_TIMEOUT_S = 300.0  # the connector's file lock, released once the file is written
+
 def serve_command(args: argparse.Namespace, staging: Path, port: int, cpu: bool) -> list[str]:
     spec = {"method": "extract_hidden_states", "num_speculative_tokens": 1,
             "draft_model_config": {"hf_config": {
@@ -90,7 +92,8 @@ async def generate(samples: list[dict], model: str, port: int, out: Path, concur
         ids = sample["input_ids"]
         async with gate:
             path, _ = await generate_hidden_states_async(client, model, {"input_ids": ids})
-        await wait_for_lock_async(path + ".lock")
+        # speculators' 10 s default times out on a loaded 2-core host with 32 in flight
+        await wait_for_lock_async(path + ".lock", timeout=LOCK_TIMEOUT_S)
         target = out / f"hs_{sample['index']}.safetensors"
         await asyncio.to_thread(shutil.move, path, target)
         check_hidden_states(await asyncio.to_thread(load_file, target), ids)
