@@ -120,6 +120,16 @@ def requested(flags: frozenset[str], forced: str | None) -> tuple[str, str]:
     return build, "host flags " + " ".join(shown)
 
 
+LOCK_PICK = Path(__file__).resolve().parents[2] / "docker" / "lock-pick.sh"
+
+
+def pick_entry(lock: str, name: str) -> str:
+    """The pin and hash lines of `name` in a hash-pinned lock (docker/lock-pick.sh, the one
+    reader of lock entries that the Makefile and the Dockerfile use too)."""
+    return subprocess.run(["bash", str(LOCK_PICK), lock, name], capture_output=True,
+                          text=True, check=True).stdout
+
+
 def sync(python: str, uv: str, lock: str, build: str) -> bool:
     """Install `build` from the lock (hash-checked, no deps), removing any other build;
     False if it was already the one installed."""
@@ -135,7 +145,7 @@ def sync(python: str, uv: str, lock: str, build: str) -> bool:
     others = [n for n in present if n != build]
     if others:
         subprocess.run([uv, "pip", "uninstall", "--python", python, *others], check=True)
-    entry = pick_entry(Path(lock).read_text(), build)
+    entry = pick_entry(lock, build)
     with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as f:
         f.write(entry)
     try:
@@ -144,21 +154,6 @@ def sync(python: str, uv: str, lock: str, build: str) -> bool:
     finally:
         os.unlink(f.name)
     return True
-
-
-def pick_entry(lock_text: str, name: str) -> str:
-    """The pin and hash lines of `name` in a `--generate-hashes`-style lock."""
-    out, keep = [], False
-    for line in lock_text.splitlines():
-        if not line.strip() or line.lstrip().startswith("#"):
-            continue
-        if not line[0].isspace():
-            keep = line.split("==")[0].strip().lower() == name
-        if keep:
-            out.append(line)
-    if not out:
-        raise ValueError(f"{name} is not pinned in the lock file")
-    return "\n".join(out) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
