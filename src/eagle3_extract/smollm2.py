@@ -10,8 +10,11 @@ lm_head(pre-norm state) wrong at 73% of positions.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
+import io
+import sys
 from pathlib import Path
 
 from .tiny import build_once, cache_root
@@ -42,10 +45,23 @@ def build_smollm2(dtype: str = "bfloat16", root: Path | None = None,
     def make(tmp: Path) -> None:
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers.utils import logging as hf_logging
 
-        tok = AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name)
-        model = AutoModelForCausalLM.from_pretrained(str(src.parent), gguf_file=src.name,
-                                                     dtype=torch.float32)
+        # A one-time build inside a job's preflight: the GGUF loader's progress bar and
+        # the tokenizer's notice would turn a one-line refusal into a screenful on stderr.
+        # Shown only if the build fails.
+        said, verbosity = io.StringIO(), hf_logging.get_verbosity()
+        hf_logging.set_verbosity_error()
+        try:
+            with contextlib.redirect_stderr(said):
+                tok = AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name)
+                model = AutoModelForCausalLM.from_pretrained(str(src.parent), gguf_file=src.name,
+                                                             dtype=torch.float32)
+        except BaseException:
+            sys.stderr.write(said.getvalue())
+            raise
+        finally:
+            hf_logging.set_verbosity(verbosity)
         model.to(getattr(torch, dtype)).save_pretrained(tmp, safe_serialization=True)
         tok.save_pretrained(tmp)
         (tmp / "tokenizer.model").unlink(missing_ok=True)  # a copy of the GGUF; not needed
