@@ -19,6 +19,9 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("VLLM_MLA_DISABLE", "1")
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0|1" if (os.cpu_count() or 1) >= 2 else "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Engines held by a module's fixtures wait between tests: their workers sleep after 3 s
+# idle instead of spinning a core that the HF reference (or CI's other streams) needs.
+os.environ.setdefault("VLLM_SLEEP_WHEN_IDLE", "1")
 
 
 def _leaked_shm(before: set[str]) -> list[str]:

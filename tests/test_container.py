@@ -487,9 +487,15 @@ def test_scripts_are_executable_and_strict():
         assert "set -euo pipefail" in text, path
     if in_checkout:
         text = (ROOT / ".ci" / "run").read_text()
-        order = [text.index(s) for s in ('" make venv\n', "    make test > ",
-                                         '" make venv-train venv-peer\n', '" make lint\n',
-                                         '" make test-engine\n', 'wait "$fast_pid"',
-                                         "make pipeline ", "make e2e ", 'wait "$image_pid"')]
+        # The image and the trainer's env start first (downloads); the peer goes over both
+        # envs; the fast lane and the drafter check run beside the engine lane; every
+        # background stream is waited for, its failure failing CI.
+        order = [text.index(s) for s in ("make image-test'", '0 make venv-train\n',
+                                         '" make venv\n', 'collect "environment .venv-train"',
+                                         '" make venv-peer\n', '" make lint\n',
+                                         '" 5 make test\n', "make e2e MODEL=", '10 e2e\n',
+                                         '" make test-engine\n', "make pipeline ",
+                                         'collect "fast lane', 'collect "drafter check',
+                                         'collect "image build')]
         assert order == sorted(order), order
         assert "make image-test" in text and text.count("stage ") >= 6  # each stage timed
