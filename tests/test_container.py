@@ -407,6 +407,8 @@ def test_compose_gpu_service():
     assert doc["services"]["sweep"]["command"].split()[0] == "sweep"
     assert doc["services"]["test"]["profiles"] == ["test"]
     assert doc["services"]["test"]["command"][0] == "test"
+    # the suite's /dev/shm check needs a namespace whose every process it can see
+    assert doc["services"]["test"]["ipc"] == "private"
     # the tests run in the same Dockerfile's `test` stage: the runtime image + tests/, bench/
     build_x, build_t = doc["services"]["extract"]["build"], doc["services"]["test"]["build"]
     assert {**build_x, "target": "test"} == build_t
