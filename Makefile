@@ -183,14 +183,16 @@ verify: ## recompute samples of an extraction with the reference engine: DIR=...
 # Two lanes: `make test` starts no engine and needs only .venv (minutes; run it on every
 # change); `make test-engine` starts the real vLLM 0.16 CPU engine or runs in .venv-train
 # (the trainer's and the peer's env). CI runs both; `make test-all` is the two in one run.
-test: venv ## the fast lane: every test that starts no engine (PYTEST_ARGS=...)
-	$(VPY) -m pytest -q tests -m "not engine" $(PYTEST_ARGS)
+# TESTS: which test files or folders (default all); PYTEST_ARGS: anything else for pytest.
+TESTS ?= tests
+test: venv ## the fast lane: every test that starts no engine (TESTS=..., PYTEST_ARGS=...)
+	$(VPY) -m pytest -q $(TESTS) -m "not engine" $(PYTEST_ARGS)
 
 test-engine: venv venv-train venv-peer ## the engine lane: vLLM CPU engine and .venv-train tests
-	$(VPY) -m pytest -q tests -m engine $(PYTEST_ARGS)
+	$(VPY) -m pytest -q $(TESTS) -m engine $(PYTEST_ARGS)
 
 test-all: venv venv-train venv-peer ## both lanes in one pytest run
-	$(VPY) -m pytest -q tests $(PYTEST_ARGS)
+	$(VPY) -m pytest -q $(TESTS) $(PYTEST_ARGS)
 
 lint: $(VENV)/.installed ## hadolint, compose schema, shellcheck, ruff
 	$(VENV)/bin/hadolint Dockerfile

@@ -496,7 +496,9 @@ def test_scripts_are_executable_and_strict():
                                          '" make venv\n', 'collect "environment .venv-train"',
                                          '" make venv-peer\n', '" make lint\n',
                                          '" 5 make test\n', "make e2e MODEL=", '10 e2e\n',
-                                         '" make test-engine\n', "make pipeline ",
+                                         "make pipeline ", '5 pipelines\n',
+                                         'make test-engine TESTS=', 'make test-engine PYTEST',
+                                         'collect "engine lane', 'collect "pipelines',
                                          'collect "fast lane', 'collect "drafter check',
                                          'collect "image build')]
         assert order == sorted(order), order
