@@ -131,3 +131,62 @@ def drafter(verifier, t2d=None, d2t=None):
             default_proposal_method="greedy",
             verifier=VerifierConfig(name_or_path=str(verifier), architectures=vc.architectures)))
     return Eagle3DraftModel(cfg, t2d=t2d, d2t=d2t)
+
+
+def _start_times() -> dict[int, tuple[int, int, str]]:
+    """pid -> (parent pid, kernel start time, command line) of every live process."""
+    out = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                stat = Path(f"/proc/{d}/stat").read_text()
+            except OSError:
+                continue
+            try:  # vLLM names its processes in their argv (VLLM::EngineCore), not comm
+                name = Path(f"/proc/{d}/cmdline").read_bytes().replace(b"\0", b" ")
+                name = name.decode(errors="replace").strip()[:120]
+            except OSError:
+                name = ""
+            name = name or stat[stat.index("(") + 1:stat.rindex(")")]
+            fields = stat[stat.rindex(")") + 2:].split()
+            if fields[0] not in ("Z", "X"):
+                out[int(d)] = (int(fields[1]), int(fields[19]), name)
+    return out
+
+
+def sigkill_main_leaves_nothing(proc, ready, timeout: float = 180, grace: float = 15
+                                ) -> list[str]:
+    """Follow `proc`'s process tree until `ready(names)` holds for the names seen in it,
+    SIGKILL only `proc` (not its group), and return what of the tree is still alive
+    `grace` seconds later (as "pid name"): a job's processes must not outlive it."""
+    import signal
+    import time
+
+    seen: dict[int, tuple[int, str]] = {}  # pid -> (start time, name)
+    deadline = time.monotonic() + timeout
+    while True:
+        procs = _start_times()
+        grew = True
+        while grew:
+            grew = False
+            for pid, (ppid, start, name) in procs.items():
+                if pid in seen and seen[pid][0] == start:
+                    seen[pid] = (start, name)  # vLLM renames its processes once started
+                elif pid not in seen and (ppid == proc.pid or ppid in seen):
+                    seen[pid] = (start, name)
+                    grew = True
+        if ready([n for _, n in seen.values()]) or proc.poll() is not None:
+            break
+        assert time.monotonic() < deadline, f"not ready in {timeout} s: {seen}"
+        time.sleep(0.3)
+    assert proc.poll() is None, f"the job ended before it was killed (rc {proc.returncode}): {seen}"
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    end = time.monotonic() + grace
+    while True:
+        procs = _start_times()
+        alive = [f"{pid} {name}" for pid, (start, name) in seen.items()
+                 if pid in procs and procs[pid][1] == start]
+        if not alive or time.monotonic() > end:
+            return alive
+        time.sleep(0.3)

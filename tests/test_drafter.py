@@ -216,6 +216,33 @@ def test_sigterm_stops_the_trainer_and_a_rerun_finishes(trained):
     assert (out / "drafter" / "model.safetensors").is_file()
 
 
+@pytest.mark.parametrize("module", ["train", "acceptance"])
+def test_sigkill_of_the_main_process_leaves_nothing_running(trained, module, tmp_path):
+    """kill -9 of eagle3-train (its trainer running) or eagle3-acceptance (its model
+    loaded) alone: none of its processes is left seconds later."""
+    import time
+
+    from conftest import sigkill_main_leaves_nothing
+
+    if module == "train":
+        args = [f"data.dir={trained / 'x'}", "train=small", "train.epochs=3",
+                "train.total_seq_len=256", "train.draft_vocab_size=256",
+                f"output.dir={tmp_path / 'd'}"]
+        ready = lambda names: bool(_trainers(tmp_path / "d"))  # noqa: E731
+    else:
+        args = ["model=tiny", f"drafter.dir={trained / 'd' / 'drafter'}", "dataset=sample",
+                "acceptance.max_tokens=4000", f"output.dir={tmp_path / 'a'}"]
+        t0 = time.monotonic()
+        ready = lambda names: time.monotonic() - t0 > 10  # noqa: E731 - loaded, generating
+    proc = subprocess.Popen([sys.executable, "-m", f"eagle3_extract.{module}", *args],
+                            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            env={**__import__("os").environ, "HF_HUB_OFFLINE": "1"})
+    left = sigkill_main_leaves_nothing(proc, ready)
+    assert not left, f"outlived eagle3-{module}: {left}"
+    if module == "train":
+        assert not _trainers(tmp_path / "d")
+
+
 def test_a_rerun_resumes_from_the_last_epoch_checkpoint(trained):
     """On CPU too: speculators 0.9.0 loads the checkpoint onto get_current_device(), which
     says cuda:0 without an accelerator (trainer_launch.py answers it); a finished training

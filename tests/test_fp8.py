@@ -144,6 +144,67 @@ def test_validate_and_verify_read_fp8_and_catch_bad_scales(runs, tmp_path):
     assert {(paths[0].name, "scales"), (paths[1].name, "scales")} <= codes, codes
 
 
+def _data_offset(path: Path, key: str) -> tuple[int, int]:
+    """(file offset of tensor `key`'s bytes, their length) in a safetensors file."""
+    import json
+    import struct
+
+    raw = path.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    a, b = json.loads(raw[8:8 + n])[key]["data_offsets"]
+    return 8 + n + a, b - a
+
+
+def _poke(path: Path, offset: int, data: bytes) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        f.write(data)
+
+
+@pytest.mark.engine
+def test_changed_fp8_scales_and_bytes_fail_validate(runs, tmp_path):
+    """Scales changed to other finite, positive values: one token's x16 and flipped bytes
+    in the fp8 payload fail the checksum written with the file; a file whose scales were
+    all doubled when it was written (checksum consistent) fails the run's scale profile."""
+    import shutil
+    import struct
+
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    from eagle3_extract.layout import CHECKSUM_KEY
+    from eagle3_extract.validate import validate
+    from eagle3_extract.writer import save_safetensors
+
+    out = tmp_path / "bad"
+    shutil.copytree(runs["fp8"], out)
+    paths = sorted((out / "data").rglob("*.safetensors"))
+    at, _ = _data_offset(paths[0], SCALES_KEY)  # token 2's scale x16
+    (scale,) = struct.unpack("<f", paths[0].read_bytes()[at + 8:at + 12])
+    _poke(paths[0], at + 8, struct.pack("<f", scale * 16))
+    at, size = _data_offset(paths[1], "hidden_states")  # a few flipped bytes
+    raw = bytearray(paths[1].read_bytes()[at + size // 2:at + size // 2 + 3])
+    _poke(paths[1], at + size // 2, bytes(x ^ 0x21 for x in raw))
+    t = {k: v.clone() for k, v in load_file(paths[2]).items()}  # every scale doubled, by
+    # a writer that then hashed the file (clone: not the mapped file it overwrites)
+    with safe_open(str(paths[2]), "pt") as f:
+        meta = {k: v for k, v in f.metadata().items() if k != CHECKSUM_KEY}
+    t[SCALES_KEY] *= 2
+    save_safetensors(t, paths[2], meta)
+
+    report = validate(out)
+    assert not report["ok"]
+    codes = {(Path(p["where"]).name, p["code"]) for p in report["problems"]}
+    assert {(paths[0].name, "checksum"), (paths[1].name, "checksum"),
+            (paths[2].name, "scales")} <= codes, codes
+    assert not any(c == "checksum" for n, c in codes if n == paths[2].name)
+    assert report["checksums"]["files"] == SAMPLES
+    assert report["checksums"]["without_checksum"] == 0
+    assert report["checksums"]["bytes"] == sum(p.stat().st_size for p in paths)
+    clean = validate(runs["fp8"])
+    assert clean["ok"] and clean["checksums"]["seconds"] > 0
+
+
 READ_FP8_WITH_SPECULATORS_09 = """
 import sys, torch
 from pathlib import Path

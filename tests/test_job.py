@@ -344,6 +344,22 @@ def _pgid(pid: int) -> int | None:
 
 
 @pytest.mark.engine
+def test_sigkill_of_the_main_process_leaves_no_engine_worker_or_tracker(tmp_path):
+    """kill -9 of eagle3-extract's main process alone (not its group), engine up: its
+    worker (its engine core runs in the main process), resource tracker and watcher are
+    gone within seconds."""
+    from conftest import sigkill_main_leaves_nothing
+
+    args = [str(BIN), "engine=vllm", "engine.max_num_seqs=2", f"output.dir={tmp_path / 'o'}",
+            "dataset.max_samples=400", "model.max_model_len=1024", "engine.token_budget=1024"]
+    with open(tmp_path / "log", "w") as log:
+        proc = subprocess.Popen(args, env=env(), stdout=log, stderr=subprocess.STDOUT)
+        left = sigkill_main_leaves_nothing(
+            proc, lambda names: any(n.startswith("VLLM::") for n in names))
+    assert not left, f"outlived the job: {left}"
+
+
+@pytest.mark.engine
 def test_vllm_sigkill_then_resume_gives_the_uninterrupted_result(vllm_multirun, tmp_path):
     ref = data_files(vllm_multirun[0] / "tiny" / "sample" / "eagle3")
     out = tmp_path / "killed"

@@ -293,6 +293,19 @@ def _run_cli(args: list[str], timeout: int = 600, **popen) -> subprocess.Popen:
 
 
 @engine
+def test_sigkill_of_the_main_process_leaves_no_engine(tmp_path):
+    """kill -9 of eagle3-regenerate's main process alone, engine up (mp executor: an
+    EngineCore and a worker): nothing of the job is running seconds later."""
+    from conftest import sigkill_main_leaves_nothing
+
+    p = _run_cli([f"output.dir={tmp_path / 'regen'}", "generate.max_tokens=48",
+                  "engine.max_num_seqs=2"])
+    left = sigkill_main_leaves_nothing(
+        p, lambda names: sum(n.startswith("VLLM::") for n in names) >= 2)
+    assert not left, f"outlived the job: {left}"
+
+
+@engine
 def test_sigkill_mid_run_then_rerun_writes_every_sample_once(tmp_path):
     out = tmp_path / "regen"
     args = [f"output.dir={out}", "generate.chunk_samples=2", "generate.max_tokens=48",

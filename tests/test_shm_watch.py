@@ -101,3 +101,19 @@ def test_a_file_another_process_still_maps_is_left_alone(tmp_path):
     finally:
         seg.close()
         seg.unlink()
+
+
+def test_sigkill_of_the_main_process_alone_ends_its_processes(tmp_path):
+    """Only the main process killed (its children re-parented, the resource tracker alive):
+    the watcher ends the rest of the tree and removes the shared memory."""
+    from conftest import sigkill_main_leaves_nothing
+
+    script = tmp_path / "job.py"
+    script.write_text(JOB)
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    seg, sem = proc.stdout.readline().split()
+    paths = [shm_watch.SHM / seg, shm_watch.SHM / f"sem.{sem.lstrip('/')}"]
+    t0 = time.monotonic()
+    left = sigkill_main_leaves_nothing(proc, lambda names: time.monotonic() - t0 > 2.5)
+    assert not left, f"outlived the job: {left}"
+    assert not [p for p in paths if p.exists()]

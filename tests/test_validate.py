@@ -17,7 +17,9 @@ from safetensors.torch import save_file
 
 from conftest import make_engine
 from eagle3_extract import validate
+from eagle3_extract.layout import CHECKSUM_KEY
 from eagle3_extract.types import Batch, Sample
+from eagle3_extract.writer import save_safetensors
 
 pytestmark = pytest.mark.engine
 
@@ -41,10 +43,12 @@ def load_st(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
 
 
 def rewrite(path: Path, edit=None, **meta: str) -> None:
+    """The file as a faulty writer would have written it: its checksum matches."""
     t, m = load_st(path)
     if edit is not None:
         edit(t)
-    save_file({k: v.contiguous() for k, v in t.items()}, str(path), metadata={**m, **meta})
+    m.pop(CHECKSUM_KEY)
+    save_safetensors({k: v.clone() for k, v in t.items()}, path, metadata={**m, **meta})
 
 
 def sample_file(root: Path, index: int, ext: str = ".safetensors") -> Path:
@@ -265,6 +269,85 @@ def test_speculators_pt_layout(copy):
     assert codes(report, rel(3, ".pt")) == {"unreadable"}
     assert "weights_only=True" in report["bad_files"][rel(3, ".pt")][0]
     assert codes(report, "stats.pt") == {"stray"}
+
+
+def test_changed_bytes_fail_the_checksum_and_its_cost_is_printed(copy, capsys):
+    """A byte changed after the write fails the checksum the writer recorded; a file
+    without one (an older run) is a warning; the cost is in the report and printed."""
+    path = sample_file(copy, 4)
+    raw = bytearray(path.read_bytes())
+    raw[-7] ^= 0x10  # inside the last tensor: still loads, same shapes
+    path.write_bytes(bytes(raw))
+    report = run(copy)
+    assert codes(report, rel(4)) == {"checksum"}
+    assert report["checksums"]["files"] == 6 and report["checksums"]["bytes"] > 0
+    assert validate.validate(copy, checksums=False)["ok"]  # only the checksum saw it
+    t, meta = load_st(sample_file(copy, 1))
+    meta.pop(CHECKSUM_KEY)
+    save_file(t, str(sample_file(copy, 1)), metadata=meta)
+    path.write_bytes(bytes(raw[:-7] + bytes([raw[-7] ^ 0x10]) + raw[-6:]))
+    report = run(copy)
+    assert report["ok"] and report["checksums"]["without_checksum"] == 1
+    assert codes({"problems": report["warnings"]}) == {"checksum"}
+    validate.main([str(copy), "--no-report"])
+    assert "content checksums: 6 files" in capsys.readouterr().out
+
+
+def test_speculators_pt_crc_catches_a_changed_byte(copy):
+    from eagle3_extract.writer import write_sample
+
+    m = json.loads((copy / "manifest.json").read_text())
+    for i in range(6):
+        t, meta = load_st(sample_file(copy, i))
+        s = Sample(i, t["input_ids"].tolist(), t["loss_mask"].tolist())
+        write_sample(sample_file(copy, i, ".pt"), s, t["hidden_states"], "speculators_pt",
+                     m["layer_ids"], m["run_id"])
+        sample_file(copy, i).unlink()
+    m["config"]["output"]["format"] = m["output"]["format"] = "speculators_pt"
+    (copy / "manifest.json").write_text(json.dumps(m))
+    assert run(copy)["ok"]
+    path = sample_file(copy, 2, ".pt")
+    import zipfile
+
+    with zipfile.ZipFile(path) as z:
+        info = next(i for i in z.infolist() if "/data/" in i.filename and i.file_size > 64)
+    raw = bytearray(path.read_bytes())
+    raw[info.header_offset + 30 + len(info.filename.encode()) + 64 + 8] ^= 0x01
+    path.write_bytes(bytes(raw))
+    report = run(copy)
+    assert "checksum" in codes(report, rel(2, ".pt")), report["problems"]
+
+
+def test_symlinks_in_the_output_dir_are_damage_and_resume_replaces_them(copy, tmp_path):
+    """A data subdirectory and a sample file replaced by links to whole copies elsewhere:
+    validate, status and export name them and read nothing through them; the resumed
+    job writes nothing outside the dir and leaves real files in their place."""
+    from eagle3_extract import export, status
+
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    shutil.copy2(sample_file(copy, 3), outside / "000000003.safetensors")
+    sample_file(copy, 3).unlink()
+    sample_file(copy, 3).symlink_to(outside / "000000003.safetensors")
+    sub = copy / "data" / "00001"  # files_per_dir is larger: a second dir, as a link
+    shutil.copytree(copy / "data" / "00000", outside / "dir")
+    sub.symlink_to(outside / "dir", target_is_directory=True)
+    before = {p.name: p.stat().st_mtime_ns for p in outside.rglob("*")}
+
+    report = run(copy)
+    assert codes(report, rel(3)) == {"symlink"} and codes(report, "data/00001") == {"symlink"}
+    assert "elsewhere" in report["bad_files"][rel(3)][0]
+    s = status.collect(copy)
+    assert not s["complete"] and s["totals"]["links"] == [rel(3), "data/00001"]
+    with pytest.raises(export.ExportError, match="symbolic links"):
+        export.export(copy, tmp_path / "export")
+
+    m = extract_tiny(copy)
+    assert m["status"] == "complete" and m["counts"]["redone_damaged"] == 1
+    assert not sample_file(copy, 3).is_symlink() and sample_file(copy, 3).is_file()
+    assert not sub.exists() and not sub.is_symlink()
+    assert {p.name: p.stat().st_mtime_ns for p in outside.rglob("*")} == before
+    assert run(copy)["ok"]
 
 
 def test_not_a_directory_or_no_manifest(tmp_path):

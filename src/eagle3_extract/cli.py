@@ -28,6 +28,15 @@ def quiet_engine_logs(verbose: bool) -> None:
         os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 
+def log_to_file(message: str) -> None:
+    """An error in the job's log file (Hydra's) only: stderr has its one line, and the
+    console handler would print it a second time on stdout."""
+    record = log.makeRecord(log.name, logging.ERROR, __file__, 0, message, None, None)
+    for handler in logging.getLogger().handlers + log.handlers:
+        if isinstance(handler, logging.FileHandler):
+            handler.handle(record)
+
+
 def run_guarded(prog: str, fn: Any, cfg: DictConfig, interrupted: str) -> None:
     """Run a job's `fn(cfg)` with the exits every command of ours shares: a preflight or
     config error is one line and exit 2, a signal 128 + its number, a JobError its own code.
@@ -39,7 +48,7 @@ def run_guarded(prog: str, fn: Any, cfg: DictConfig, interrupted: str) -> None:
     try:
         fn(cfg)
     except PreflightError as e:
-        log.error("preflight: %s", e)
+        log_to_file(f"preflight: {e}")
         print(f"{prog}: error: {e}", file=sys.stderr, flush=True)
         sys.exit(2)
     except (KeyboardInterrupt, Interrupted) as e:  # before the job's own handling began
@@ -48,7 +57,7 @@ def run_guarded(prog: str, fn: Any, cfg: DictConfig, interrupted: str) -> None:
               file=sys.stderr, flush=True)
         sys.exit(128 + signum)
     except JobError as e:
-        log.error("%s", e)
+        log_to_file(str(e))
         print(f"{prog}: {e}", file=sys.stderr, flush=True)
         sys.exit(e.exit_code)
 

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from .layout import SCALES_KEY, Storage, verified_files
+from .layout import SCALES_KEY, Storage, links, verified_files
 from .manifest import write_json_atomic
 from .token_freq import VOCAB_DIR
 from .quant import states_tensor
@@ -49,6 +49,10 @@ def export(root: Path, out: Path) -> dict:
         raise ExportError(f"{root}: {why}; finish the extraction first (eagle3-status)")
     fmt = str(manifests[0].config["output"]["format"])
     fp8 = Storage.from_output(manifests[0].config["output"]).fp8
+    linked = links(root)
+    if linked:
+        raise ExportError(f"{root}: {len(linked)} symbolic links where the run's files belong "
+                          f"(e.g. {linked[0]}); rerun the extraction to replace them")
     whole, damaged = verified_files(root, fmt)
     if damaged:
         raise ExportError(f"{root}: {len(damaged)} sample files are not whole (e.g. index "

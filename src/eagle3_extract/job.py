@@ -35,6 +35,7 @@ from .lock import ShardLock
 from .layout import (
     Storage,
     clean_stale_temps,
+    remove_links,
     file_bytes,
     finished_indices,
     layout_pattern,
@@ -86,6 +87,7 @@ class Plan:
     resumed: int  # finished files found at start (this shard)
     stale_temps: int
     damaged: dict[int, str]  # final files of this shard that were not whole: removed, redone
+    links: list[str]  # symbolic links where the job's files belong: removed
     preflight_s: float
     lock: ShardLock | None = None  # this job's shard of root, until close()
     storage: Storage = Storage()  # how the states are stored (output.dtype)
@@ -221,6 +223,7 @@ def preflight(cfg: Any) -> Plan:
         disk_need = _check_disk(root, info, layer_ids, todo, storage)
         if not resuming:  # shards starting together need not all rewrite it
             write_run_json(root, ident)
+        linked = remove_links(root)  # never written or read through (layout.links)
         for i in damaged:  # redone by this run
             sample_path(root, i, int(cfg.output.files_per_dir), fmt).unlink(missing_ok=True)
         stale = clean_stale_temps(root, owned=lambda i: i % count == index)
@@ -231,7 +234,7 @@ def preflight(cfg: Any) -> Plan:
         raise
     return Plan(
         cfg=cfg, resolved=resolved, root=root, info=info, layer_ids=layer_ids, ident=ident,
-        mine=mine, todo=todo, resumed=len(mine) - len(todo), stale_temps=stale,
+        mine=mine, todo=todo, resumed=len(mine) - len(todo), stale_temps=stale, links=linked,
         damaged=damaged, preflight_s=time.perf_counter() - t0, lock=lock,
         storage=storage, disk_need=disk_need,
     )
@@ -367,6 +370,11 @@ def _run(plan: Plan, t_start: float) -> dict[str, Any]:
              plan.disk_need / 1e9, per_token,
              "fp8 + scales" if plan.storage.fp8 else str(plan.info.dtype).removeprefix(
                  "torch."), shutil.disk_usage(root).free / 1e9)
+    if plan.links:
+        log.warning("removed %d symbolic links where this job's files belong (%s%s): "
+                    "nothing is written or read through them; what they held is redone",
+                    len(plan.links), ", ".join(plan.links[:3]),
+                    ", ..." if len(plan.links) > 3 else "")
     if plan.stale_temps:
         log.info("removed %d stale temp files from an interrupted run", plan.stale_temps)
     if plan.damaged:

@@ -211,6 +211,10 @@ def _diff(a: Any, b: Any, prefix: str = "") -> list[str]:
 def check_run_json(root: Path, ident: dict[str, Any]) -> bool:
     """True if `root` holds an earlier run of this identity (resume); raise if another."""
     path = root / RUN_JSON
+    if path.is_symlink():
+        raise PreflightError(
+            f"output.dir={str(root)!r}: run.json is a symbolic link (to {os.readlink(path)}), "
+            "not this directory's own record; remove it, or set output.dir to a new directory")
     if not path.exists():
         return False
     try:

@@ -1,20 +1,26 @@
-"""What a SIGKILLed job leaves in /dev/shm, removed by a watcher of its own.
+"""What a SIGKILLed job leaves, removed by a watcher of its own: its processes and the
+shared memory they held.
 
-vLLM's workers and Python's multiprocessing keep shared memory in /dev/shm (psm_*,
-sem.mp-*; 400 MB for the tiny default's engine), as do our host buffers (eagle3-hs-*).
-Each is unlinked by the process that made it or by Python's resource tracker when the
-job ends, but a SIGKILL of the job's process group takes the tracker with it, and the
-entries stay in the host's RAM until reboot. The watcher is a small process in a session
-of its own (a kill of the job's group does not reach it): it notes which /dev/shm files
-the job's processes map or hold open, and once all of them are gone it unlinks those of
-the noted files that no process maps any more. On a normal exit it finds nothing to do.
-A kill of everything at once (a container's cgroup) takes the watcher too: a container's
-/dev/shm goes with it.
+A job is a tree of processes: vLLM's EngineCore (about 600 MB) and its workers, Python's
+resource tracker, a tokenizer pool, the trainer's process. A SIGKILL of the job's main
+process reaches none of them: they are re-parented and run on. They, and vLLM's and
+Python's shared memory in /dev/shm (psm_*, sem.mp-*; 400 MB for the tiny default's
+engine) and our host buffers (eagle3-hs-*), would outlive the job: each is unlinked by
+the process that made it or by the resource tracker when the job ends well, never after
+a SIGKILL. The watcher is a small process in a session of its own (a kill of the job's
+group does not reach it): it follows the job's process tree and notes which /dev/shm
+files they map or hold open. Once the main process is gone, what is left of the tree
+gets SIGTERM after TERM_AFTER_S and SIGKILL after KILL_AFTER_S (a job that ended well
+has nothing left by then: an engine's worker that lingers is ended too); then it unlinks
+the noted files that no process maps any more. A kill of everything at once (a
+container's cgroup) takes the watcher too: a container's processes and /dev/shm go with
+it.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -23,6 +29,8 @@ from pathlib import Path
 SHM = Path("/dev/shm")
 POLL_S = 1.0
 GIVE_UP_S = 900.0  # processes of the job still alive this long after it ended: leave it
+TERM_AFTER_S = 2.0  # after the job's main process ended, its processes get SIGTERM,
+KILL_AFTER_S = 6.0  # then SIGKILL
 
 
 _WATCHED: dict[int, subprocess.Popen] = {}
@@ -63,6 +71,13 @@ def _start_time(pid: int) -> int | None:
         return None
     fields = stat[stat.rindex(")") + 2:].split()
     return None if fields[0] in ("Z", "X") else int(fields[19])
+
+
+def _signal(pid: int, signum: int) -> None:
+    try:
+        os.kill(pid, signum)
+    except OSError:  # gone already, or not ours to signal
+        pass
 
 
 def _parents() -> dict[int, int]:
@@ -151,8 +166,12 @@ def watch(main_pid: int, main_start: int | None) -> list[str]:
             noted |= shm_inodes_of(p)
         if main_pid not in alive:
             ended_at = ended_at or time.monotonic()
-            if not alive or time.monotonic() - ended_at > GIVE_UP_S:
+            waited = time.monotonic() - ended_at
+            if not alive or waited > GIVE_UP_S:
                 break
+            if waited >= TERM_AFTER_S:  # the job is over: nothing of it outlives it
+                for p in alive:
+                    _signal(p, signal.SIGKILL if waited >= KILL_AFTER_S else signal.SIGTERM)
         time.sleep(POLL_S)
     left = {i: paths for i, paths in entries().items() if i in noted}
     if not left:

@@ -27,7 +27,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from .layout import MANIFEST_RE, RUN_JSON, verified_files
+from .layout import MANIFEST_RE, RUN_JSON, links, verified_files
 from .manifest import Manifest
 
 STALE_AFTER_S = 3600.0
@@ -155,6 +155,8 @@ def collect(root: str | Path, stale_after: float = STALE_AFTER_S) -> dict[str, A
     """The status of the run in `root` as a JSON-able dict (see `main`)."""
     root = Path(root)
     try:
+        if (root / RUN_JSON).is_symlink():
+            raise OSError("a symbolic link, not this directory's own record")
         run = json.loads((root / RUN_JSON).read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise NotARunDir(f"{root}: no readable run.json ({e}); not an eagle3-extract output "
@@ -163,7 +165,7 @@ def collect(root: str | Path, stale_after: float = STALE_AFTER_S) -> dict[str, A
     manifests: dict[int, dict[int, Manifest]] = {}
     for entry in os.scandir(root):
         match = MANIFEST_RE.match(entry.name)
-        if match:
+        if match and not entry.is_symlink():  # `links` below names it
             i, n = (int(match[1]), int(match[2])) if match[1] else (0, 1)
             try:
                 manifests.setdefault(n, {})[i] = Manifest.read(Path(entry.path))
@@ -189,7 +191,8 @@ def collect(root: str | Path, stale_after: float = STALE_AFTER_S) -> dict[str, A
             "updated": latest,
             "shards": [asdict(s) for s in shards],
         })
-    complete = any(p["complete"] for p in partitions)
+    linked = links(root)
+    complete = any(p["complete"] for p in partitions) and not linked
     primary = next((p for p in partitions if p["complete"]), None)
     if primary is None and partitions:
         primary = max(partitions, key=lambda p: p["updated"])
@@ -208,6 +211,7 @@ def collect(root: str | Path, stale_after: float = STALE_AFTER_S) -> dict[str, A
             "samples": usable,
             "done": done,
             "damaged": len(damaged),
+            "links": linked,
             "tokens": sum(s["tokens"] or 0 for s in shards),
             "tokens_total": tokens_total,
             "bytes": sum(s["bytes"] for s in shards),
@@ -238,6 +242,9 @@ def format_report(r: dict[str, Any]) -> str:
     if t.get("damaged"):
         lines.append(f"  {t['damaged']} sample files are not whole (cut short or overwritten): "
                      "rerun the job to redo them")
+    if t.get("links"):
+        lines.append(f"  {len(t['links'])} symbolic links where the run's files belong, not "
+                     f"followed ({', '.join(t['links'][:3])}): rerun the job to replace them")
     if not r["partitions"]:
         lines.append("  no shard manifest yet")
     for p in r["partitions"]:

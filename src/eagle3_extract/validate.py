@@ -24,11 +24,14 @@ listed. The report also goes to `DIR/validate_report.json` (atomic write).
 from __future__ import annotations
 
 import argparse
+import io
 import itertools
 import json
 import math
 import os
+import struct
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -47,12 +50,16 @@ from .layout import (
     SUBDIR_RE,
     TOP_LEVEL_RE,
     Storage,
+    content_problem,
+    link_target,
 )
 from .manifest import Manifest, write_json_atomic
 from .quant import check_scales, dequantize, states_tensor  # noqa: F401 - re-exported
 from .token_freq import TokenCounts
 
 REPORT_NAME = "validate_report.json"
+SYMLINK_WHY = ("a symbolic link (to {}) where the run's own file belongs: not read; rerun "
+               "the extraction (it removes the link and redoes what it held)")
 NORM_TOL = 0.15  # relative deviation of a layer's norm from the dataset profile
 
 
@@ -94,24 +101,54 @@ class FileStats:
     norm_sq: np.ndarray  # [L] float64
     ids: np.ndarray | None = field(repr=False)  # dropped once counted (TokenCounts)
     mask: np.ndarray | None = field(repr=False)
+    scale_log2: np.ndarray | None = None  # fp8: [S] median over tokens of log2(scale)
+
+
+class ChecksumTally:
+    """What the content checksums cost (validate prints it): files, bytes, seconds."""
+
+    def __init__(self) -> None:
+        self.files = self.bytes = self.without = 0
+        self.seconds = 0.0
+        self._lock = threading.Lock()
+
+    def add(self, nbytes: int, seconds: float, had: bool) -> None:
+        with self._lock:
+            self.files += 1
+            self.bytes += nbytes
+            self.seconds += seconds
+            self.without += not had
+
+    def report(self) -> dict[str, Any]:
+        return {"files": self.files, "bytes": self.bytes, "seconds": round(self.seconds, 3),
+                "without_checksum": self.without}
 
 
 # --- loading -----------------------------------------------------------------------------
 
 
-def load_sample(path: Path, fmt: str) -> tuple[dict[str, Any], dict[str, str]]:
-    """(tensors, metadata) of one sample file; never unpickles arbitrary objects.
+def load_sample(path: Path, fmt: str, data: bytes | None = None
+                ) -> tuple[dict[str, Any], dict[str, str]]:
+    """(tensors, metadata) of one sample file (or of its bytes, `data`, already read);
+    never unpickles arbitrary objects.
 
     speculators_pt `hidden_states` (a list of L tensors [T, H]) is returned as
     it is stored; `states_tensor` stacks it.
     """
     if fmt == "safetensors":
+        if data is not None:
+            from safetensors.torch import load
+
+            (n,) = struct.unpack("<Q", data[:8])
+            meta = json.loads(data[8:8 + n]).get("__metadata__") or {}
+            return load(data), dict(meta)
         from safetensors import safe_open
 
         with safe_open(str(path), framework="pt") as f:
             meta = dict(f.metadata() or {})
             return {k: f.get_tensor(k) for k in f.keys()}, meta
-    obj = torch.load(path, map_location="cpu", weights_only=True)
+    src = path if data is None else io.BytesIO(data)
+    obj = torch.load(src, map_location="cpu", weights_only=True)
     if not isinstance(obj, dict):
         raise ValueError(f"holds a {type(obj).__name__}, not a dict of tensors")
     return obj, {}
@@ -127,7 +164,8 @@ def load_manifests(root: Path) -> tuple[list[Manifest], list[Problem]]:
     the current layout is unfinished, no mix of layouts is pieced together: code
     "mixed_layouts" names the shards that would finish it (their files are found).
     """
-    paths = sorted((Path(e.path) for e in os.scandir(root) if MANIFEST_RE.match(e.name)),
+    paths = sorted((Path(e.path) for e in os.scandir(root)
+                    if MANIFEST_RE.match(e.name) and not e.is_symlink()),  # scan_tree names links
                    key=lambda p: (p.name != "manifest.json", p.name))
     if not paths:
         return [], [Problem("dataset", "manifest", "no manifest.json (nor shard manifests)")]
@@ -241,9 +279,15 @@ def scan_tree(root: Path, fmt: str, files_per_dir: int) -> tuple[dict[int, Path]
         rel_dir = here.relative_to(root)
         if here == root:
             dirnames[:] = [d for d in dirnames if d != "logs"]  # Hydra logs: no samples
+        for name in [d for d in dirnames if (here / d).is_symlink()]:
+            filenames.append(name)  # os.walk lists a link to a directory with the dirs
         for name in filenames:
             path = here / name
             rel = str(path.relative_to(root))
+            if path.is_symlink() and (here != root or name == DATA_DIR
+                                      or TOP_LEVEL_RE.match(name)):
+                problems.append(Problem(rel, "symlink", SYMLINK_WHY.format(link_target(path))))
+                continue
             if here == root and TOP_LEVEL_RE.match(name):
                 continue
             if SAMPLE_TEMP.match(name):
@@ -284,21 +328,35 @@ def _norm_rows(hs: torch.Tensor, chunk: int = 2048) -> torch.Tensor:
     return out
 
 
-def check_file(root: Path, index: int, path: Path, exp: Expect) -> tuple[FileStats | None,
-                                                                         list[Problem]]:
-    """Check one file against the contract; stats only when it is structurally sound."""
+def check_file(root: Path, index: int, path: Path, exp: Expect,
+               tally: ChecksumTally | None = None) -> tuple[FileStats | None, list[Problem]]:
+    """Check one file against the contract; stats only when it is structurally sound.
+
+    With a `tally`, the file is read once into memory, its bytes checked against the
+    checksum written with them (layout.content_problem), and loaded from there.
+    """
     rel = str(path.relative_to(root))
     bad: list[Problem] = []
+    scale_log2 = None
 
     def fail(code: str, msg: str) -> None:
         bad.append(Problem(rel, code, msg))
 
     try:
-        t, meta = load_sample(path, exp.fmt)
+        data = None
+        if tally is not None:
+            t0 = time.perf_counter()
+            with open(path, "rb", opener=_no_follow) as f:
+                data = f.read()
+            why, had = content_problem(data, exp.fmt)
+            tally.add(len(data), time.perf_counter() - t0, had)
+            if why:
+                fail("checksum", why)  # and the rest: what changed may show there too
+        t, meta = load_sample(path, exp.fmt, data)
     except Exception as e:  # noqa: BLE001 - any load failure is the finding
         how = "safetensors" if exp.fmt == "safetensors" else "torch.load(weights_only=True)"
-        return None, [Problem(rel, "unreadable", f"does not load with {how}: "
-                                                 f"{type(e).__name__}: {str(e)[:200]}")]
+        return None, bad + [Problem(rel, "unreadable", f"does not load with {how}: "
+                                                       f"{type(e).__name__}: {str(e)[:200]}")]
     missing = {"input_ids", "loss_mask", "hidden_states"} - set(t)
     if missing:
         return None, [Problem(rel, "shape", f"missing tensors {sorted(missing)}")]
@@ -336,6 +394,7 @@ def check_file(root: Path, index: int, path: Path, exp: Expect) -> tuple[FileSta
         if why:
             fail("scales", why)
         else:  # the numbers a trainer reads (fp8 NaN shows here, e4m3 has no Inf)
+            scale_log2 = t[SCALES_KEY].flatten(1).log2().median(dim=0).values.numpy()
             hs = dequantize(hs, t[SCALES_KEY])
     elif SCALES_KEY in t:
         fail("scales", f"{SCALES_KEY} beside {hs.dtype} states: only fp8 states have scales")
@@ -357,9 +416,13 @@ def check_file(root: Path, index: int, path: Path, exp: Expect) -> tuple[FileSta
         index=index, rel=rel, tokens=T, loss_tokens=int(mask.sum()), truncated=truncated,
         median_norm=norms.median(dim=0).values.numpy(), mean_norm=norms.mean(0).numpy(),
         norm_sum=n64.sum(0).numpy(), norm_sq=(n64 ** 2).sum(0).numpy(),
-        ids=ids.numpy(), mask=mask.numpy().astype(bool),
+        ids=ids.numpy(), mask=mask.numpy().astype(bool), scale_log2=scale_log2,
     )
     return stats, bad
+
+
+def _no_follow(path: str, flags: int) -> int:
+    return os.open(path, flags | os.O_NOFOLLOW)  # a link swapped in after the scan
 
 
 def _desc(x: Any) -> str:
@@ -564,12 +627,45 @@ def norm_checks(stats: list[FileStats], layer_ids: list[int],
     return summary, problems
 
 
+SCALE_TOL_LOG2 = 0.7  # a file's median fp8 scale off the run's by more than x1.62 fails
+
+
+def scale_checks(stats: list[FileStats], tol_log2: float = SCALE_TOL_LOG2) -> list[Problem]:
+    """fp8: each file's median scale (per scale column) against the run's own.
+
+    The scale is a token's amax / 448; its median over a file's tokens is a property of
+    the model and layers, nearly the same in every file (SmolLM2-135M, 160 files: within
+    x1.32 of the run's median, MAD x1.05), so a file whose scales were all changed (x2)
+    stands out where its dequantized norms alone would not (norm_checks removes a file's
+    overall scale). The limit is the larger of `tol_log2` and 10 MADs of the run. A
+    change of one token's scale is the checksum's to catch. Needs >= 3 files.
+    """
+    rows = [s for s in stats if s.scale_log2 is not None]
+    if len(rows) < 3 or len({s.scale_log2.shape for s in rows}) != 1:
+        return []
+    logs = np.stack([s.scale_log2 for s in rows])  # [F, S]
+    med = np.median(logs, axis=0)
+    mad = np.median(np.abs(logs - med), axis=0)
+    limit = np.maximum(tol_log2, 10 * mad)
+    problems = []
+    for f, s in enumerate(rows):
+        off = np.flatnonzero(np.abs(logs[f] - med) > limit)
+        if len(off):
+            j = int(off[0])
+            problems.append(Problem(
+                s.rel, "scales", f"median fp8 scale x{2 ** (logs[f, j] - med[j]):.2f} the "
+                f"run's median{'' if logs.shape[1] == 1 else f' (scale column {j})'}, beyond "
+                f"x{2 ** limit[j]:.2f}: scales changed after they were written?"))
+    return problems
+
+
 # --- driver --------------------------------------------------------------------------------
 
 
 def validate(root: str | Path, norm_tol: float = NORM_TOL, norm_errors: bool = True,
-             workers: int | None = None) -> dict[str, Any]:
-    """Check `root`; return the report (`report["ok"]`, problems, norm statistics)."""
+             workers: int | None = None, checksums: bool = True) -> dict[str, Any]:
+    """Check `root`; return the report (`report["ok"]`, problems, norm statistics,
+    what the content checksums cost)."""
     t0 = time.perf_counter()
     root = Path(root).resolve()
     report: dict[str, Any] = {"tool": "eagle3-validate", "dir": str(root)}
@@ -587,6 +683,8 @@ def validate(root: str | Path, norm_tol: float = NORM_TOL, norm_errors: bool = T
                   hidden_size=exp.hidden_size, dtype=str(exp.dtype).removeprefix("torch."))
     run_json = root / "run.json"
     try:
+        if run_json.is_symlink():
+            raise OSError("a symbolic link, not read")
         rid = json.loads(run_json.read_text()).get("run_id")
         if rid != exp.run_id:
             problems.append(Problem("run.json", "run_id",
@@ -600,8 +698,9 @@ def validate(root: str | Path, norm_tol: float = NORM_TOL, norm_errors: bool = T
     stats: list[FileStats] = []
     token_counts = TokenCounts()
     n_workers = workers or min(8, os.cpu_count() or 1)
+    tally = ChecksumTally() if checksums else None
     with ThreadPoolExecutor(max_workers=n_workers) as pool:
-        for st, p in pool.map(lambda it: check_file(root, it[0], it[1], exp),
+        for st, p in pool.map(lambda it: check_file(root, it[0], it[1], exp, tally),
                               sorted(found.items())):
             problems += p
             if st is not None:
@@ -612,6 +711,13 @@ def validate(root: str | Path, norm_tol: float = NORM_TOL, norm_errors: bool = T
         problems += check_tokens(root, manifests, stats, token_counts)
     norms, norm_problems = norm_checks(stats, exp.layer_ids, norm_tol)
     (problems if norm_errors else warnings).extend(norm_problems)
+    problems += scale_checks(stats)
+    if tally is not None:
+        report["checksums"] = tally.report()
+        if tally.without:
+            warnings.append(Problem("dataset", "checksum", f"{tally.without} files carry no "
+                                    "content checksum (written before eagle3-extract had "
+                                    "them): their bytes are checked by the rest only"))
     report.update(files=len(found), sound_files=len(stats),
                   tokens=sum(s.tokens for s in stats),
                   loss_tokens=sum(s.loss_tokens for s in stats), norms=norms)
@@ -641,6 +747,12 @@ def print_report(report: dict[str, Any], out=None, limit: int = 40) -> None:
               f"tokens ({report['loss_tokens']} loss), layers {report['layer_ids']}, "
               f"hidden {report['hidden_size']}, {report['dtype']}, {report['format']}, "
               f"run_id {report['run_id']}", file=out)
+        c = report.get("checksums")
+        if c:
+            rate = f", {c['bytes'] / 1e9 / c['seconds']:.2f} GB/s" if c["seconds"] else ""
+            print(f"  content checksums: {c['files']} files, {c['bytes'] / 1e9:.3f} GB read "
+                  f"and hashed in {c['seconds']:.2f} thread-s{rate} (of {report['seconds']:.2f} s"
+                  " wall; --no-checksums skips them)", file=out)
         norms = report["norms"]
         if norms["per_layer"]:
             inc = norms.get("increasing_files")
@@ -689,8 +801,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="report the norm heuristics as warnings, not failures")
     ap.add_argument("--workers", type=int, default=None, help="reader threads (default <= 8)")
     ap.add_argument("--no-report", action="store_true", help=f"do not write DIR/{REPORT_NAME}")
+    ap.add_argument("--no-checksums", action="store_true",
+                    help="skip the content checksums (hashing every byte of every file)")
     args = ap.parse_args(argv)
-    report = validate(args.dir, args.norm_tol, not args.norm_warn_only, args.workers)
+    report = validate(args.dir, args.norm_tol, not args.norm_warn_only, args.workers,
+                      not args.no_checksums)
     print_report(report)
     if not args.no_report and Path(args.dir).is_dir():
         path = write_report(Path(args.dir), REPORT_NAME, report)

@@ -50,6 +50,7 @@ from .quant import states_of
 from .types import Batch, Sample
 from .validate import (
     check_counts,
+    ChecksumTally,
     check_file,
     expectation,
     load_manifests,
@@ -453,7 +454,7 @@ def _choose(root: Path, manifests: list[Manifest], samples: int, seed: int
     chosen = sorted(random.Random(seed).sample(sorted(found), min(samples, len(found))))
     problems += tree + check_counts(root, manifests, exp, found)
     for i in chosen:
-        problems += check_file(root, i, found[i], exp)[1]
+        problems += check_file(root, i, found[i], exp, ChecksumTally())[1]
     failures = [f"{p.where}: {p.code}: {p.message}" for p in problems]
     loaded: dict[int, tuple[Sample, torch.Tensor]] = {}
     for i in chosen:

@@ -18,7 +18,8 @@ from pathlib import Path
 
 import torch
 
-from .layout import EXTENSIONS, SCALES_KEY, sample_path, sample_temp
+from .layout import (CHECKSUM_KEY, EXTENSIONS, SCALES_KEY, content_checksum, sample_path,
+                     sample_temp)
 from .types import ExtractedBatch, Sample
 
 
@@ -82,8 +83,10 @@ def save_safetensors(tensors: dict[str, torch.Tensor], path: Path,
     `safetensors.torch.save_file` first builds the whole file in memory, which
     costs as much as the write itself for 64 MiB samples (measured on an H200
     host); here the header goes first and each tensor's bytes go to the file
-    without a copy (the states are views into the engine's shared host buffer).
+    without a copy (the states are views into the engine's shared host buffer). The
+    metadata gets the tensors' checksum, hashed from the same memory first.
     """
+    metadata = dict(metadata)  # + the checksum (layout.CHECKSUM_KEY), filled in below
     header: dict[str, object] = {"__metadata__": metadata}
     blobs, offset = [], 0
     for name, t in tensors.items():
@@ -93,6 +96,7 @@ def save_safetensors(tensors: dict[str, torch.Tensor], path: Path,
                         "data_offsets": [offset, offset + nbytes]}
         blobs.append(t.reshape(-1).view(torch.uint8).numpy())
         offset += nbytes
+    metadata[CHECKSUM_KEY] = content_checksum(memoryview(b).cast("B") for b in blobs)
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # the format pads the header to 8-byte alignment
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
