@@ -339,3 +339,41 @@ def test_sample_dataset_shape(tok):
     assert sum(len(r["messages"]) >= 4 for r in rows) >= 20
     d = build_dataset(ds_cfg(SAMPLE), tok, 2047)
     assert d.lengths.min() < 100 and d.lengths.max() > 800 and len(d) == len(rows)
+
+
+def test_a_hub_name_without_network_fails_in_seconds(tmp_path, monkeypatch):
+    """No offline mode, the hub's endpoint a closed port: one PreflightError naming the
+    fixes, from the probe (seconds), not after the libraries' half minute of retries;
+    with offline mode, at once."""
+    import time
+
+    from eagle3_extract import hub
+
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))  # an empty cache
+    for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE",
+                "HTTPS_PROXY", "https_proxy"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(hub, "_reachable", {})
+    t0 = time.monotonic()
+    with pytest.raises(PreflightError, match=r"dataset\.path='org/chats' is a Hugging Face "
+                       r"hub name, the hub \(127\.0\.0\.1:9\) cannot be reached.*local path"):
+        read_rows(ds_cfg("org/chats", format="hub"))
+    assert time.monotonic() - t0 < hub.PROBE_S + 2
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(PreflightError, match="HF_HUB_OFFLINE is set.*HF cache"):
+        read_rows(ds_cfg("org/chats", format="hub"))
+
+
+def test_a_path_that_is_not_a_regular_file_is_refused_as_what_it_is(tmp_path):
+    import os
+
+    os.mkfifo(tmp_path / "rows.jsonl")
+    with pytest.raises(PreflightError, match=r"is a named pipe \(FIFO\), not a regular file"):
+        read_rows(ds_cfg(tmp_path / "rows.jsonl"))
+    (tmp_path / "dir.jsonl").mkdir()
+    with pytest.raises(PreflightError, match="is a directory, not a regular file"):
+        read_rows(ds_cfg(tmp_path / "dir.jsonl"))
+    (tmp_path / "dangling.jsonl").symlink_to(tmp_path / "nowhere.jsonl")
+    with pytest.raises(PreflightError, match="no such file .a symbolic link to nothing"):
+        read_rows(ds_cfg(tmp_path / "dangling.jsonl"))

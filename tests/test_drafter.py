@@ -234,10 +234,14 @@ def test_sigkill_of_the_main_process_leaves_nothing_running(trained, module, tmp
                 "acceptance.max_tokens=4000", f"output.dir={tmp_path / 'a'}"]
         t0 = time.monotonic()
         ready = lambda names: time.monotonic() - t0 > 10  # noqa: E731 - loaded, generating
-    proc = subprocess.Popen([sys.executable, "-m", f"eagle3_extract.{module}", *args],
-                            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            env={**__import__("os").environ, "HF_HUB_OFFLINE": "1"})
-    left = sigkill_main_leaves_nothing(proc, ready)
+    with open(tmp_path / "log", "w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", f"eagle3_extract.{module}", *args],
+                                cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                                env={**__import__("os").environ, "HF_HUB_OFFLINE": "1"})
+        try:
+            left = sigkill_main_leaves_nothing(proc, ready)
+        except AssertionError as e:
+            raise AssertionError(f"{e}\n{(tmp_path / 'log').read_text()[-2000:]}") from None
     assert not left, f"outlived eagle3-{module}: {left}"
     if module == "train":
         assert not _trainers(tmp_path / "d")

@@ -170,6 +170,29 @@ def test_config_errors_are_one_line_and_exit_2(override, match, tmp_path):
     assert not (tmp_path / "out" / "run.json").exists()
 
 
+@pytest.mark.parametrize("override,match", [
+    ("dataset.path=some-org/some-chats dataset.format=hub", "dataset.path='some-org/some-chats' is a Hugging "
+     "Face hub name, the hub (127.0.0.1:9) cannot be reached"),
+    ("model.path=some-org/some-model", "model.path='some-org/some-model' is a Hugging Face "
+     "hub name"),
+    ("dataset.path={fifo}", "is a named pipe (FIFO), not a regular file"),
+])
+def test_refusals_are_one_line_on_stderr_and_nothing_on_stdout(override, match, tmp_path):
+    """No network (the hub's endpoint a closed port, no offline mode): one line within
+    seconds, not half a minute of retries; not repeated as a log line on stdout."""
+    import os
+
+    os.mkfifo(tmp_path / "rows.jsonl")
+    override = override.format(fifo=tmp_path / "rows.jsonl").split()
+    r = run_cli(*HF, "dry_run=true", *override, f"output.dir={tmp_path}/out", timeout=120,
+                HF_HUB_OFFLINE="0", HF_ENDPOINT="http://127.0.0.1:9")
+    assert r.returncode == 2, (r.stdout[-2000:], r.stderr[-2000:])
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and match in lines[0], r.stderr
+    assert "local path" in lines[0] or "FIFO" in lines[0]
+    assert "ERROR" not in r.stdout and match not in r.stdout, r.stdout
+
+
 def test_extra_vllm_args_are_still_additions(tmp_path):
     r = run_cli(*HF, "dry_run=true", "+engine.vllm_args.block_size=32",
                 f"output.dir={tmp_path}/out", timeout=120)

@@ -283,8 +283,10 @@ def _prompts(cfg: Any, tokenizer: Any) -> list[list[int]]:
         if not msgs:
             skipped += 1
             continue
-        text = renderer.render(msgs, True)
-        prompts.append(tokenizer(text, add_special_tokens=False)["input_ids"])
+        try:
+            prompts.append(renderer.prompt_ids(msgs))
+        except SkipRow:
+            skipped += 1
     if not prompts:
         raise PreflightError(f"dataset.path={cfg.dataset.path!r}: no usable prompt "
                              f"({skipped} rows skipped)")

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -62,7 +63,13 @@ SKIP_REASONS = (
     "mask_alignment",  # assistant spans could not be mapped to tokens exactly
     "overlong",  # longer than max_length under dataset.overlong=skip
     "no_loss_tokens",  # nothing left to train on (e.g. truncated before any assistant token)
+    # message text spelling a special token where it cannot be kept as text (a slow
+    # tokenizer; text the template changed so that it cannot be found in the render)
+    "special_token_in_text",
 )
+# A used row whose message text spells one of the tokenizer's special tokens: tokenized
+# as the text it is, never as the control token (report "special_token_text").
+SPECIAL_TEXT = "special_token_text"
 
 
 class SkipRow(Exception):
@@ -198,6 +205,25 @@ def _read_file(path: Path, fmt: str) -> list[Any]:
     raise PreflightError(f"dataset.format={fmt!r} is not a file format")
 
 
+def _not_a_file(p: Path) -> str:
+    """What a dataset path that is not a regular file is (stat follows a link)."""
+    import stat
+
+    try:
+        mode = p.stat().st_mode
+    except FileNotFoundError:
+        return "no such file" + (" (a symbolic link to nothing)" if p.is_symlink() else "")
+    except OSError as e:
+        return f"cannot be read ({e.strerror})"
+    for test, what in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a named pipe (FIFO)"),
+                       (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device")):
+        if test(mode):
+            return (f"is {what}, not a regular file; give a dataset file (a stream is "
+                    "read twice: copy it to a file first)")
+    return "is not a regular file"
+
+
 def read_rows(ds: Any) -> list[Any]:
     """All rows of the dataset, in file order. Raises PreflightError if unreadable."""
     fmt = _resolve_format(ds)
@@ -206,8 +232,12 @@ def read_rows(ds: Any) -> list[Any]:
         if fmt != "hub":
             p = Path(path).expanduser()
             if not p.is_file():
-                raise PreflightError(f"dataset.path={path!r}: no such file")
+                raise PreflightError(f"dataset.path={path!r}: {_not_a_file(p)}")
             return _read_file(p, fmt)
+        from .hub import dataset_cached, require_hub
+
+        if not Path(path).expanduser().exists():  # a hub name, not a local dataset dir
+            require_hub("dataset.path", path, lambda: dataset_cached(path))
         files = ds.data_files
         if files and str(files).endswith((".json", ".jsonl")):
             # One raw file from a dataset repo: parse it ourselves, so that a bad row
@@ -351,12 +381,72 @@ class Renderer:
             )
         self.tok = tokenizer
         self.specials = _special_tokens(tokenizer)
+        self._special_re = re.compile("|".join(map(re.escape, self.specials))) \
+            if self.specials else None
         self.fast = bool(getattr(tokenizer, "is_fast", False))
 
     def render(self, messages: list[dict[str, str]], generation_prompt: bool) -> str:
         return self.tok.apply_chat_template(
             messages, tokenize=False, add_generation_prompt=generation_prompt
         )
+
+    def as_text(self, messages: list[dict[str, Any]], full: str) -> list[tuple[int, int]]:
+        """Character ranges of `full` where message text spells a special token.
+
+        A user turn holding `<|eot_id|><|start_header_id|>assistant...` would otherwise
+        tokenize as an injected assistant turn, and an answer quoting `<|eot_id|>` as an
+        end of turn in its middle (scraped chat data has both). Each text that spells one
+        is found in the render, in message order; one that cannot be (the template
+        changed it) skips the row ("special_token_in_text").
+        """
+        if self._special_re is None:
+            return []
+        out: list[tuple[int, int]] = []
+        cursor = 0
+        for i, m in enumerate(messages):
+            for key in ("content", "reasoning_content"):
+                text = m.get(key)
+                if not isinstance(text, str) or not self._special_re.search(text):
+                    continue
+                text = text.strip()
+                pos = full.find(text, cursor)
+                if pos < 0:
+                    raise SkipRow("special_token_in_text",
+                                  f"turn {i} {key} spells a special token and is not in the "
+                                  "render as written")
+                out += [hit.span() for hit in self._special_re.finditer(full, pos, pos + len(text))]
+                cursor = pos + len(text)
+        if out and not self.fast:
+            raise SkipRow("special_token_in_text", "a slow tokenizer cannot keep it as text")
+        return out
+
+    def encode(self, full: str, as_text: list[tuple[int, int]] = ()
+               ) -> tuple[list[int], np.ndarray | None]:
+        """(ids of `full`, start char of each token or None for a slow tokenizer); the
+        `as_text` ranges tokenized as plain text, the rest as the template meant it."""
+        if not as_text:
+            if not self.fast:
+                return self.tok(full, add_special_tokens=False)["input_ids"], None
+            enc = self.tok(full, add_special_tokens=False, return_offsets_mapping=True)
+            return list(enc["input_ids"]), np.array(
+                [a for a, _ in enc["offset_mapping"]], dtype=np.int64)
+        ids: list[int] = []
+        starts: list[int] = []
+        cuts = [0] + [c for span in as_text for c in span] + [len(full)]
+        for k in range(len(cuts) - 1):
+            a, b = cuts[k], cuts[k + 1]
+            if a == b:
+                continue
+            enc = self.tok(full[a:b], add_special_tokens=False, return_offsets_mapping=True,
+                           split_special_tokens=bool(k % 2))
+            ids += enc["input_ids"]
+            starts += [a + o for o, _ in enc["offset_mapping"]]
+        return ids, np.array(starts, dtype=np.int64)
+
+    def prompt_ids(self, messages: list[dict[str, Any]]) -> list[int]:
+        """The ids a server is fed to generate the next assistant turn."""
+        text = self.render(messages, True)
+        return self.encode(text, self.as_text(messages, text))[0]
 
     def assistant_spans(self, messages: list[dict[str, str]], full: str) -> list[tuple[int, int]]:
         """Character spans of each trained assistant turn in `full`: content + end-of-turn.
@@ -447,7 +537,10 @@ class Renderer:
         except Exception as e:  # noqa: BLE001 - a template may raise anything (jinja, ...)
             raise SkipRow("template_error", f"{type(e).__name__}: {e}") from e
         notes = self.not_rendered(messages, full)
-        ids, ranges = self._ids_and_ranges(full, spans)
+        as_text = self.as_text(messages, full)
+        if as_text:
+            notes.append(SPECIAL_TEXT)
+        ids, ranges = self._ids_and_ranges(full, spans, as_text)
         if generated:
             positions = [i for i, m in enumerate(messages) if trained(m)]
             ids, ranges, kinds = self.splice_generated(ids, ranges, positions, generated)
@@ -494,12 +587,11 @@ class Renderer:
     def _text(self, ids: list[int]) -> str:
         return self.tok.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
-    def _ids_and_ranges(self, full: str, spans: list[tuple[int, int]]
+    def _ids_and_ranges(self, full: str, spans: list[tuple[int, int]],
+                        as_text: list[tuple[int, int]] = ()
                         ) -> tuple[list[int], list[tuple[int, int]]]:
         if self.fast:
-            enc = self.tok(full, add_special_tokens=False, return_offsets_mapping=True)
-            ids = list(enc["input_ids"])
-            starts = np.array([a for a, _ in enc["offset_mapping"]], dtype=np.int64)
+            ids, starts = self.encode(full, as_text)
             ranges = []
             for s, e in spans:
                 inside = np.flatnonzero((starts >= s) & (starts < e))
@@ -608,6 +700,7 @@ def _tokenize_span(rows: list[Any], order: list[int], start: int, stop: int,
     skipped: Counter[str] = Counter()
     not_rendered: Counter[str] = Counter()
     regenerated: Counter[str] = Counter()
+    as_text = 0
     examples: list[dict[str, Any]] = []
     indices, lengths, truncated = [], [], []
     id_chunks, mask_chunks = [], []
@@ -629,7 +722,9 @@ def _tokenize_span(rows: list[Any], order: list[int], start: int, stop: int,
                 examples.append({"index": index, "row": row_no, "reason": e.reason,
                                  "detail": e.detail[:200]})
             continue
-        not_rendered.update(set(n for n in notes if n not in REGENERATED_TURNS))
+        not_rendered.update(set(n for n in notes if n not in REGENERATED_TURNS)
+                            - {SPECIAL_TEXT})
+        as_text += SPECIAL_TEXT in notes
         regenerated.update(n for n in notes if n in REGENERATED_TURNS)
         indices.append(index)
         lengths.append(len(ids))
@@ -645,6 +740,7 @@ def _tokenize_span(rows: list[Any], order: list[int], start: int, stop: int,
         "skipped": skipped,
         "not_rendered": not_rendered,
         "regenerated": regenerated,
+        SPECIAL_TEXT: as_text,
         "examples": examples,
     }
 
@@ -706,11 +802,13 @@ def tokenize_rows(
     skipped: Counter[str] = Counter({r: 0 for r in SKIP_REASONS})
     not_rendered: Counter[str] = Counter({"reasoning_content": 0, "tool_calls": 0})
     regenerated: Counter[str] = Counter({k: 0 for k in REGENERATED_TURNS})
+    as_text = 0
     examples: list[dict[str, Any]] = []
     for p in parts:
         skipped.update(p["skipped"])
         not_rendered.update(p["not_rendered"])
         regenerated.update(p["regenerated"])
+        as_text += p[SPECIAL_TEXT]
         examples += p["examples"][: max(0, 20 - len(examples))]
     lengths = np.concatenate([p["lengths"] for p in parts])
     offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
@@ -729,6 +827,8 @@ def tokenize_rows(
         "not_rendered": dict(not_rendered),
         # turns of eagle3-regenerate rows: how their generated ids came back (data.py)
         "regenerated_turns": dict(regenerated),
+        # used rows whose message text spells a special token, kept as text (as_text)
+        SPECIAL_TEXT: as_text,
         "truncated": int(truncated.sum()),
         "tokens": int(offsets[-1]),
         "loss_tokens": int(mask_flat.sum()),

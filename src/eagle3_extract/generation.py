@@ -98,8 +98,7 @@ class Regenerator:
 
     # prompts and params
     def prompt(self, p: Pending) -> list[int]:
-        text = self.renderer.render(p.messages[: p.position], True)
-        return self.tok(text, add_special_tokens=False)["input_ids"]
+        return self.renderer.prompt_ids(p.messages[: p.position])
 
     def params(self, p: Pending, prompt_len: int) -> Any:
         from vllm import SamplingParams
@@ -126,6 +125,8 @@ class Regenerator:
         """The prompt of p's next turn, or the sample's outcome if it has none."""
         try:
             prompt = self.prompt(p)
+        except SkipRow as e:
+            return p.end(e.reason, e.detail)
         except Exception as e:  # noqa: BLE001 - a template may raise anything
             return p.end("template_error", f"{type(e).__name__}: {e}")
         if len(prompt) >= self.max_model_len:
