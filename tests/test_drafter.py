@@ -231,7 +231,7 @@ def test_sigkill_of_the_main_process_leaves_nothing_running(trained, module, tmp
         ready = lambda names: bool(_trainers(tmp_path / "d"))  # noqa: E731
     else:
         args = ["model=tiny", f"drafter.dir={trained / 'd' / 'drafter'}", "dataset=sample",
-                "acceptance.max_tokens=4000", f"output.dir={tmp_path / 'a'}"]
+                "acceptance.max_tokens=1200", f"output.dir={tmp_path / 'a'}"]
         t0 = time.monotonic()
         ready = lambda names: time.monotonic() - t0 > 10  # noqa: E731 - loaded, generating
     with open(tmp_path / "log", "w") as log:

@@ -337,6 +337,7 @@ def check_file(root: Path, index: int, path: Path, exp: Expect,
     """
     rel = str(path.relative_to(root))
     bad: list[Problem] = []
+    checksum_bad: list[Problem] = []
     scale_log2 = None
 
     def fail(code: str, msg: str) -> None:
@@ -350,25 +351,25 @@ def check_file(root: Path, index: int, path: Path, exp: Expect,
                 data = f.read()
             why, had = content_problem(data, exp.fmt)
             tally.add(len(data), time.perf_counter() - t0, had)
-            if why:
-                fail("checksum", why)  # and the rest: what changed may show there too
+            if why:  # the rest is checked too: what changed may show there as well
+                checksum_bad.append(Problem(rel, "checksum", why))
         t, meta = load_sample(path, exp.fmt, data)
     except Exception as e:  # noqa: BLE001 - any load failure is the finding
         how = "safetensors" if exp.fmt == "safetensors" else "torch.load(weights_only=True)"
-        return None, bad + [Problem(rel, "unreadable", f"does not load with {how}: "
-                                                       f"{type(e).__name__}: {str(e)[:200]}")]
+        return None, checksum_bad + [Problem(rel, "unreadable", f"does not load with {how}: "
+                                                                f"{type(e).__name__}: {str(e)[:200]}")]
     missing = {"input_ids", "loss_mask", "hidden_states"} - set(t)
     if missing:
-        return None, [Problem(rel, "shape", f"missing tensors {sorted(missing)}")]
+        return None, checksum_bad + [Problem(rel, "shape", f"missing tensors {sorted(missing)}")]
     ids, mask = t["input_ids"], t["loss_mask"]
     try:
         hs = states_tensor(t["hidden_states"])
     except ValueError as e:
-        return None, [Problem(rel, "shape", str(e))]
+        return None, checksum_bad + [Problem(rel, "shape", str(e))]
     mask_dtype = torch.uint8 if exp.fmt == "safetensors" else torch.int64
     if not isinstance(ids, torch.Tensor) or ids.dim() != 1 or ids.dtype != torch.int64:
         fail("shape", f"input_ids must be a 1-D int64 tensor, got {_desc(ids)}")
-        return None, bad
+        return None, checksum_bad + bad
     T = ids.shape[0]
     if T == 0:
         fail("rows", "no tokens")
@@ -404,6 +405,7 @@ def check_file(root: Path, index: int, path: Path, exp: Expect,
         fail("nonfinite", f"NaN/Inf in hidden_states at {len(bad_rows)} rows (first "
                           f"{bad_rows[:5].tolist()})")
     truncated = _check_meta(meta, index, exp, fail)
+    bad[:0] = checksum_bad
     if bad:
         return None, bad
     norms = _norm_rows(hs)
