@@ -62,7 +62,7 @@ def main() -> None:
     one = timed_run(dataset, args.out / "dp1", 1)
     many = timed_run(dataset, args.out / f"dp{args.dp}", args.dp)
     print(json.dumps({"rows": args.rows, "cores": len(os.sched_getaffinity(0)),
-                      "dp1_s": round(one, 1), f"dp{args.dp}_s": round(many, 1),
+                      "dp1_s": round(one, 3), f"dp{args.dp}_s": round(many, 3),
                       "ratio": round(many / one, 3)}))
 
 

@@ -247,19 +247,24 @@ def test_stale_manifest_of_an_earlier_shard_layout_is_a_warning(copy):
     assert report["ok"] and [w["code"] for w in report["warnings"]] == ["stale_manifest"]
 
 
-def test_speculators_pt_layout(copy):
-    """The same data as speculators_pt: loads with weights_only; pickles and stray .pt fail."""
+def as_speculators_pt(root: Path) -> None:
+    """Rewrite the run's files as output.format=speculators_pt (the manifest too)."""
     from eagle3_extract.writer import write_sample
 
-    m = json.loads((copy / "manifest.json").read_text())
+    m = json.loads((root / "manifest.json").read_text())
     for i in range(6):
-        t, meta = load_st(sample_file(copy, i))
+        t, _ = load_st(sample_file(root, i))
         s = Sample(i, t["input_ids"].tolist(), t["loss_mask"].tolist())
-        write_sample(sample_file(copy, i, ".pt"), s, t["hidden_states"], "speculators_pt",
+        write_sample(sample_file(root, i, ".pt"), s, t["hidden_states"], "speculators_pt",
                      m["layer_ids"], m["run_id"])
-        sample_file(copy, i).unlink()
+        sample_file(root, i).unlink()
     m["config"]["output"]["format"] = m["output"]["format"] = "speculators_pt"
-    (copy / "manifest.json").write_text(json.dumps(m))
+    (root / "manifest.json").write_text(json.dumps(m))
+
+
+def test_speculators_pt_layout(copy):
+    """The same data as speculators_pt: loads with weights_only; pickles and stray .pt fail."""
+    as_speculators_pt(copy)
     report = run(copy)
     assert report["ok"], report["problems"]
 
@@ -294,17 +299,7 @@ def test_changed_bytes_fail_the_checksum_and_its_cost_is_printed(copy, capsys):
 
 
 def test_speculators_pt_crc_catches_a_changed_byte(copy):
-    from eagle3_extract.writer import write_sample
-
-    m = json.loads((copy / "manifest.json").read_text())
-    for i in range(6):
-        t, meta = load_st(sample_file(copy, i))
-        s = Sample(i, t["input_ids"].tolist(), t["loss_mask"].tolist())
-        write_sample(sample_file(copy, i, ".pt"), s, t["hidden_states"], "speculators_pt",
-                     m["layer_ids"], m["run_id"])
-        sample_file(copy, i).unlink()
-    m["config"]["output"]["format"] = m["output"]["format"] = "speculators_pt"
-    (copy / "manifest.json").write_text(json.dumps(m))
+    as_speculators_pt(copy)
     assert run(copy)["ok"]
     path = sample_file(copy, 2, ".pt")
     import zipfile

@@ -236,8 +236,7 @@ def read_rows(ds: Any) -> list[Any]:
             return _read_file(p, fmt)
         from .hub import dataset_cached, require_hub
 
-        if not Path(path).expanduser().exists():  # a hub name, not a local dataset dir
-            require_hub("dataset.path", path, lambda: dataset_cached(path))
+        require_hub("dataset.path", path, lambda: dataset_cached(path))
         files = ds.data_files
         if files and str(files).endswith((".json", ".jsonl")):
             # One raw file from a dataset repo: parse it ourselves, so that a bad row

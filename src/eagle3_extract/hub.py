@@ -11,6 +11,7 @@ it, in which case this process switches to offline mode and reads the cache.
 from __future__ import annotations
 
 import os
+import re
 import socket
 import sys
 import threading
@@ -21,6 +22,8 @@ from .errors import PreflightError
 
 PROBE_S = 3.0
 _OFFLINE_VALUES = {"1", "ON", "YES", "TRUE"}
+# what the hub takes for a repo id: "name" or "org/name" (a path like /data/x or ./x is not)
+REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
 _reachable: dict[str, bool] = {}
 
 
@@ -69,10 +72,16 @@ def go_offline() -> None:
             setattr(sys.modules[mod], attr, True)
 
 
+def is_hub_name(name: str) -> bool:
+    """A name the hub could resolve, not a local path that is missing."""
+    return bool(REPO_ID.match(name)) and not os.path.exists(os.path.expanduser(name))
+
+
 def require_hub(key: str, name: str, cached: Callable[[], bool]) -> None:
     """Refuse hub name `name` (config key `key`) in one line when the hub cannot be
-    reached and `cached()` says the HF cache does not have it."""
-    if not offline_mode() and reachable():
+    reached and `cached()` says the HF cache does not have it. Not a hub name (a local
+    path): nothing to check here."""
+    if not is_hub_name(name) or (not offline_mode() and reachable()):
         return
     if cached():
         go_offline()

@@ -25,8 +25,7 @@ def read_config(path: str, trust_remote_code: bool = False) -> tuple[dict[str, A
         return json.loads(raw), hashlib.sha256(raw).hexdigest()
     from .hub import model_cached, require_hub
 
-    if not Path(path).expanduser().exists():  # a hub id: fail in seconds without network
-        require_hub("model.path", path, lambda: model_cached(path))
+    require_hub("model.path", path, lambda: model_cached(path))  # seconds, not retries
     from transformers import AutoConfig
 
     try:
