@@ -377,3 +377,72 @@ def test_a_path_that_is_not_a_regular_file_is_refused_as_what_it_is(tmp_path):
     (tmp_path / "dangling.jsonl").symlink_to(tmp_path / "nowhere.jsonl")
     with pytest.raises(PreflightError, match="no such file .a symbolic link to nothing"):
         read_rows(ds_cfg(tmp_path / "dangling.jsonl"))
+
+
+def test_a_shard_tokenizes_only_its_own_rows_and_the_shards_add_up(tok, tmp_path):
+    """Shard i of n renders and tokenizes only the rows of its sample indices; the shards
+    are disjoint and complete, their skip counts by reason (and every other count) add
+    up to the whole dataset's; the launcher's set cut into shards gives the same."""
+    lines = [json.dumps(r) for r in read_rows(ds_cfg(SAMPLE))]
+    lines[3:3] = list(BAD_ROWS.values())
+    rows = read_rows(ds_cfg(write_lines(tmp_path / "rows.jsonl", lines)))
+    order = seeded_order(len(rows), 5, True, None)
+
+    class Counting(Renderer):
+        calls = 0
+
+        def tokenize_with_notes(self, *a, **k):
+            Counting.calls += 1
+            return super().tokenize_with_notes(*a, **k)
+
+    whole = tokenize_rows(rows, order, Renderer(tok), 300, "truncate")
+    n = 3
+    shards = []
+    for i in range(n):
+        Counting.calls = 0
+        part = tokenize_rows(rows, order, Counting(tok), 300, "truncate", shard=(i, n))
+        assert Counting.calls <= len(range(i, len(order), n))  # its rows, none of the others'
+        assert set(part.indices.tolist()) | set(part.skip_index.tolist()) == set(
+            range(i, len(order), n))
+        cut = whole.shard(i, n)  # the launcher's path: one tokenization, cut per replica
+        for k in ("indices", "offsets", "ids", "mask", "truncated", "flags", "skip_index"):
+            assert np.array_equal(getattr(part, k), getattr(cut, k)), k
+        assert part.report == cut.report and part.report["shard"] == {"index": i, "count": n}
+        shards.append(part.report)
+    assert sorted(np.concatenate([whole.shard(i, n).indices for i in range(n)])) == sorted(
+        whole.indices)
+    for key in ("usable", "skipped_total", "truncated", "tokens", "loss_tokens",
+                "special_token_text"):
+        assert sum(r[key] for r in shards) == whole.report[key], key
+    for reason, count in whole.report["skipped"].items():
+        assert sum(r["skipped"][reason] for r in shards) == count, reason
+    assert whole.report["skipped_total"] == len(BAD_ROWS)
+    assert all(r["rows"] == len(rows) and r["selected"] == len(order) for r in shards)
+
+
+def test_the_launchers_set_keeps_its_records_on_disk(tok, tmp_path):
+    rows = read_rows(ds_cfg(SAMPLE)) + [{"messages": []}]
+    order = seeded_order(len(rows), 0, False, None)
+    whole = tokenize_rows(rows, order, Renderer(tok), 300, "truncate")
+    whole.save(tmp_path / "set", {"ident": {}})
+    from eagle3_extract.data import Tokenized
+
+    back, _ = Tokenized.load(tmp_path / "set")
+    assert back.shard(1, 2).report == whole.shard(1, 2).report
+    assert back.report["skipped"]["empty_conversation"] == 1
+
+
+def test_a_shard_reads_the_headers_of_its_own_files_only(tmp_path, monkeypatch):
+    from eagle3_extract import layout
+
+    d = tmp_path / "data" / "00000"
+    d.mkdir(parents=True)
+    for i in range(6):
+        (d / f"{i:09d}.safetensors").write_bytes(b"not whole")
+    (d / "000000007.safetensors").symlink_to(d / "000000001.safetensors")
+    read = []
+    real = layout.file_problem
+    monkeypatch.setattr(layout, "file_problem", lambda p, *a: read.append(p) or real(p, *a))
+    good, bad = layout.verified_files(tmp_path, "safetensors", owned=lambda i: i % 2 == 1)
+    assert sorted(bad) == [1, 3, 5, 7] and not good and "symbolic link" in bad[7]
+    assert sorted(Path(p).name for p in read) == [f"{i:09d}.safetensors" for i in (1, 3, 5)]

@@ -243,7 +243,11 @@ def test_half_finished_run_status_then_each_shard_resumes(hf_ref, tmp_path, offl
     assert (m["counts"]["resumed"], m["counts"]["written_this_run"]) == (2, 2)
     rc, rep = status_of(out)
     assert rc == 0 and rep["complete"]
-    assert rep["totals"]["tokens"] == rep["totals"]["tokens_total"] == m["data"]["tokens"]
+    # each shard's report counts its own tokens; the two add up to the whole
+    shard_tokens = [json.loads(p.read_text())["data"]["tokens"]
+                    for p in sorted(out.glob("manifest.shard-*-of-00002.json"))]
+    assert m["data"]["shard"] == {"index": 1, "count": 2} and len(shard_tokens) == 2
+    assert rep["totals"]["tokens"] == rep["totals"]["tokens_total"] == sum(shard_tokens)
     assert_same_files(out, hf_ref)
 
 

@@ -18,7 +18,6 @@ import json
 import os
 import random
 import re
-from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -625,11 +624,16 @@ class Renderer:
 # --- the whole dataset ----------------------------------------------------------------
 
 
+NOTE_BITS = {"reasoning_content": 1, "tool_calls": 2, SPECIAL_TEXT: 4}  # Tokenized.flags
+
+
 @dataclass
 class Tokenized:
     """Usable samples, stored flat (numpy) so a large dataset stays small in memory.
 
-    `sample(j)` builds the j-th usable sample as a `Sample` when a batch needs it.
+    `sample(j)` builds the j-th usable sample as a `Sample` when a batch needs it. What
+    the report counts is kept per sample too (the skipped ones by index and reason, the
+    used ones' notes), so that the report of any shard of it is exact (`shard`).
     """
 
     indices: np.ndarray  # int64 [n]: sample index (position in the seeded order)
@@ -638,6 +642,22 @@ class Tokenized:
     mask: np.ndarray  # uint8 [total]
     truncated: np.ndarray  # bool [n]
     report: dict[str, Any] = field(default_factory=dict)
+    flags: np.ndarray | None = None  # uint8 [n]: NOTE_BITS of each used sample
+    regen: np.ndarray | None = None  # int32 [n, 3]: REGENERATED_TURNS counts per sample
+    skip_index: np.ndarray | None = None  # int64 [k]: skipped sample indices
+    skip_code: np.ndarray | None = None  # uint8 [k]: their reasons (SKIP_REASONS position)
+    skip_row: np.ndarray | None = None  # int64 [k]: their row numbers
+
+    def __post_init__(self) -> None:  # samples built without records: none noted, none skipped
+        n = len(self.indices)
+        if self.flags is None:
+            self.flags = np.zeros(n, dtype=np.uint8)
+        if self.regen is None:
+            self.regen = np.zeros((n, len(REGENERATED_TURNS)), dtype=np.int32)
+        for name, dtype in (("skip_index", np.int64), ("skip_code", np.uint8),
+                            ("skip_row", np.int64)):
+            if getattr(self, name) is None:
+                setattr(self, name, np.zeros(0, dtype=dtype))
 
     def __len__(self) -> int:
         return len(self.indices)
@@ -655,7 +675,8 @@ class Tokenized:
             truncated=bool(self.truncated[j]),
         )
 
-    _ARRAYS = ("indices", "offsets", "ids", "mask", "truncated")
+    _ARRAYS = ("indices", "offsets", "ids", "mask", "truncated", "flags", "regen",
+               "skip_index", "skip_code", "skip_row")
 
     def save(self, path: Path, meta: dict[str, Any]) -> None:
         """Write to directory `path` (one .npy per array, token ids as int32), `meta`
@@ -677,7 +698,8 @@ class Tokenized:
         return cls(**arrays, report=meta.pop("report")), meta
 
     def select(self, keep: np.ndarray) -> "Tokenized":
-        """The samples at positions `keep` (a boolean mask over usable samples)."""
+        """The samples at positions `keep` (a boolean mask over usable samples); the
+        report and the skipped records stay as they are (`shard` recounts them)."""
         pos = np.flatnonzero(keep)
         lengths = self.lengths[pos]
         offsets = np.zeros(len(pos) + 1, dtype=np.int64)
@@ -689,21 +711,63 @@ class Tokenized:
         )
         return Tokenized(
             self.indices[pos], offsets, self.ids[take], self.mask[take],
-            self.truncated[pos], self.report,
+            self.truncated[pos], self.report, self.flags[pos], self.regen[pos],
+            self.skip_index, self.skip_code, self.skip_row,
         )
 
+    def shard(self, index: int, count: int) -> "Tokenized":
+        """Shard `index` of `count` (sample index % count == index), its report recounted
+        from the per-sample records: exact per shard, and the shards' counts add up."""
+        mine = self.select(self.indices % count == index)
+        keep = self.skip_index % count == index
+        mine.skip_index, mine.skip_code = self.skip_index[keep], self.skip_code[keep]
+        mine.skip_row = self.skip_row[keep]
+        mine.report = mine.recount(self.report, (index, count))
+        return mine
 
-def _tokenize_span(rows: list[Any], order: list[int], start: int, stop: int,
+    def recount(self, base: dict[str, Any], shard: tuple[int, int]) -> dict[str, Any]:
+        """The report of these samples: `base` gives what is not per sample (rows,
+        selected, max_length, overlong, the skip details)."""
+        codes = np.bincount(self.skip_code, minlength=len(SKIP_REASONS))
+        skipped = {r: int(codes[i]) for i, r in enumerate(SKIP_REASONS)}
+        details = {e["index"]: e.get("detail", "") for e in base.get("skipped_examples", [])}
+        examples = [{"index": int(i), "row": int(r), "reason": SKIP_REASONS[int(c)],
+                     "detail": details.get(int(i), "")}
+                    for i, r, c in zip(self.skip_index[:20], self.skip_row[:20],
+                                       self.skip_code[:20])]
+        regen = self.regen.sum(axis=0) if len(self.regen) else np.zeros(3, dtype=np.int64)
+        return {
+            "rows": base["rows"],
+            "selected": base["selected"],
+            # this report covers the samples with index % count == index
+            "shard": {"index": int(shard[0]), "count": int(shard[1])},
+            "usable": len(self),
+            "skipped": skipped,
+            "skipped_total": int(codes.sum()),
+            "skipped_examples": examples,
+            # used rows whose reasoning or tool calls the chat template does not render
+            "not_rendered": {k: int(((self.flags & b) > 0).sum())
+                             for k, b in NOTE_BITS.items() if k != SPECIAL_TEXT},
+            # turns of eagle3-regenerate rows: how their generated ids came back (data.py)
+            "regenerated_turns": {k: int(regen[i]) for i, k in enumerate(REGENERATED_TURNS)},
+            # used rows whose message text spells a special token, kept as text (as_text)
+            SPECIAL_TEXT: int(((self.flags & NOTE_BITS[SPECIAL_TEXT]) > 0).sum()),
+            "truncated": int(self.truncated.sum()),
+            "tokens": int(self.offsets[-1]),
+            "loss_tokens": int(self.mask.sum()),
+            "max_length": base["max_length"],
+            "overlong": base["overlong"],
+        }
+
+
+def _tokenize_span(rows: list[Any], order: list[int], positions: Any,
                    renderer: Renderer, max_length: int, overlong: str) -> dict[str, Any]:
-    """Samples start..stop-1 of the order: arrays of the usable ones, counts of the rest."""
-    skipped: Counter[str] = Counter()
-    not_rendered: Counter[str] = Counter()
-    regenerated: Counter[str] = Counter()
-    as_text = 0
-    examples: list[dict[str, Any]] = []
-    indices, lengths, truncated = [], [], []
+    """The samples at `positions` of the order: arrays of the usable ones, a record of
+    each skipped one (index, row, reason, detail)."""
+    skips: list[tuple[int, int, int, str]] = []
+    indices, lengths, truncated, flags, regen = [], [], [], [], []
     id_chunks, mask_chunks = [], []
-    for index in range(start, stop):
+    for index in positions:
         row_no = order[index]
         try:
             row = rows[row_no]
@@ -716,15 +780,10 @@ def _tokenize_span(rows: list[Any], order: list[int], start: int, stop: int,
             if not any(mask):
                 raise SkipRow("no_loss_tokens", "truncated" if cut else "empty assistant turns")
         except SkipRow as e:
-            skipped[e.reason] += 1
-            if len(examples) < 20:
-                examples.append({"index": index, "row": row_no, "reason": e.reason,
-                                 "detail": e.detail[:200]})
+            skips.append((index, row_no, SKIP_REASONS.index(e.reason), e.detail[:200]))
             continue
-        not_rendered.update(set(n for n in notes if n not in REGENERATED_TURNS)
-                            - {SPECIAL_TEXT})
-        as_text += SPECIAL_TEXT in notes
-        regenerated.update(n for n in notes if n in REGENERATED_TURNS)
+        flags.append(sum(b for k, b in NOTE_BITS.items() if k in notes))
+        regen.append([notes.count(k) for k in REGENERATED_TURNS])
         indices.append(index)
         lengths.append(len(ids))
         truncated.append(cut)
@@ -736,11 +795,9 @@ def _tokenize_span(rows: list[Any], order: list[int], start: int, stop: int,
         "truncated": np.asarray(truncated, dtype=bool),
         "ids": np.concatenate(id_chunks) if id_chunks else np.zeros(0, dtype=np.int64),
         "mask": np.concatenate(mask_chunks) if mask_chunks else np.zeros(0, dtype=np.uint8),
-        "skipped": skipped,
-        "not_rendered": not_rendered,
-        "regenerated": regenerated,
-        SPECIAL_TEXT: as_text,
-        "examples": examples,
+        "flags": np.asarray(flags, dtype=np.uint8),
+        "regen": np.asarray(regen, dtype=np.int32).reshape(-1, len(REGENERATED_TURNS)),
+        "skips": skips,
     }
 
 
@@ -757,8 +814,9 @@ def _forked_worker_init() -> None:
 
 
 def _forked_span(bounds: tuple[int, int]) -> dict[str, Any]:
-    rows, order, renderer, max_length, overlong = _FORKED
-    return _tokenize_span(rows, order, bounds[0], bounds[1], renderer, max_length, overlong)
+    rows, order, positions, renderer, max_length, overlong = _FORKED
+    return _tokenize_span(rows, order, positions[bounds[0]:bounds[1]], renderer, max_length,
+                          overlong)
 
 
 def auto_num_proc(num_proc: int | None, num_rows: int) -> int:
@@ -770,24 +828,28 @@ def auto_num_proc(num_proc: int | None, num_rows: int) -> int:
 
 def tokenize_rows(
     rows: list[Any], order: list[int], renderer: Renderer, max_length: int, overlong: str,
-    num_proc: int = 1,
+    num_proc: int = 1, shard: tuple[int, int] = (0, 1),
 ) -> Tokenized:
-    """Tokenize the rows in seeded order; skip and count what cannot be used.
+    """Tokenize the rows of shard `shard` (sample index % count == index) in seeded
+    order; skip and count what cannot be used. Only the shard's rows are rendered and
+    tokenized; its report counts them (`Tokenized.recount`).
 
-    With `num_proc > 1` contiguous spans of the order go to forked worker
+    With `num_proc > 1` contiguous spans of the shard's positions go to forked worker
     processes (they inherit rows and tokenizer, nothing is pickled but results);
     the result is identical to the serial one.
     """
-    n = len(order)
+    index, count = shard
+    positions = range(index, len(order), count)
+    n = len(positions)
     if num_proc <= 1 or n < 2 * num_proc:
-        parts = [_tokenize_span(rows, order, 0, n, renderer, max_length, overlong)]
+        parts = [_tokenize_span(rows, order, positions, renderer, max_length, overlong)]
     else:
         import multiprocessing as mp
 
         global _FORKED
         step = -(-n // (num_proc * 4))
         spans = [(a, min(a + step, n)) for a in range(0, n, step)]
-        _FORKED = (rows, order, renderer, max_length, overlong)
+        _FORKED = (rows, order, positions, renderer, max_length, overlong)
         pool = mp.get_context("fork").Pool(num_proc, initializer=_forked_worker_init)
         try:
             parts = pool.map(_forked_span, spans, chunksize=1)
@@ -798,44 +860,25 @@ def tokenize_rows(
         finally:
             pool.join()
             _FORKED = None
-    skipped: Counter[str] = Counter({r: 0 for r in SKIP_REASONS})
-    not_rendered: Counter[str] = Counter({"reasoning_content": 0, "tool_calls": 0})
-    regenerated: Counter[str] = Counter({k: 0 for k in REGENERATED_TURNS})
-    as_text = 0
-    examples: list[dict[str, Any]] = []
-    for p in parts:
-        skipped.update(p["skipped"])
-        not_rendered.update(p["not_rendered"])
-        regenerated.update(p["regenerated"])
-        as_text += p[SPECIAL_TEXT]
-        examples += p["examples"][: max(0, 20 - len(examples))]
     lengths = np.concatenate([p["lengths"] for p in parts])
     offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
     np.cumsum(lengths, out=offsets[1:])
-    indices = np.concatenate([p["indices"] for p in parts])
-    truncated = np.concatenate([p["truncated"] for p in parts])
-    mask_flat = np.concatenate([p["mask"] for p in parts])
-    report = {
-        "rows": len(rows),
-        "selected": n,
-        "usable": len(indices),
-        "skipped": dict(skipped),
-        "skipped_total": sum(skipped.values()),
-        "skipped_examples": examples,
-        # used rows whose reasoning or tool calls the chat template does not render
-        "not_rendered": dict(not_rendered),
-        # turns of eagle3-regenerate rows: how their generated ids came back (data.py)
-        "regenerated_turns": dict(regenerated),
-        # used rows whose message text spells a special token, kept as text (as_text)
-        SPECIAL_TEXT: as_text,
-        "truncated": int(truncated.sum()),
-        "tokens": int(offsets[-1]),
-        "loss_tokens": int(mask_flat.sum()),
-        "max_length": max_length,
-        "overlong": overlong,
-    }
-    return Tokenized(indices, offsets, np.concatenate([p["ids"] for p in parts]), mask_flat,
-                     truncated, report)
+    skips = [sk for p in parts for sk in p["skips"]]
+    data = Tokenized(
+        np.concatenate([p["indices"] for p in parts]), offsets,
+        np.concatenate([p["ids"] for p in parts]), np.concatenate([p["mask"] for p in parts]),
+        np.concatenate([p["truncated"] for p in parts]),
+        flags=np.concatenate([p["flags"] for p in parts]),
+        regen=np.concatenate([p["regen"] for p in parts]),
+        skip_index=np.asarray([sk[0] for sk in skips], dtype=np.int64),
+        skip_row=np.asarray([sk[1] for sk in skips], dtype=np.int64),
+        skip_code=np.asarray([sk[2] for sk in skips], dtype=np.uint8),
+    )
+    base = {"rows": len(rows), "selected": len(order), "max_length": max_length,
+            "overlong": overlong,
+            "skipped_examples": [{"index": sk[0], "detail": sk[3]} for sk in skips[:20]]}
+    data.report = data.recount(base, shard)
+    return data
 
 
 def load_tokenizer(path: str, trust_remote_code: bool) -> Any:
@@ -858,15 +901,19 @@ def read_nonempty(ds: Any) -> list[Any]:
 
 
 def build_dataset(ds: Any, tokenizer: Any, max_length: int,
-                  rows: list[Any] | None = None) -> Tokenized:
-    """dataset config + tokenizer -> usable samples. Raises PreflightError if none."""
+                  rows: list[Any] | None = None, shard: tuple[int, int] = (0, 1)) -> Tokenized:
+    """dataset config + tokenizer -> usable samples of shard `shard` (only its rows are
+    rendered and tokenized). Raises PreflightError if it has rows and none is usable."""
     rows = read_nonempty(ds) if rows is None else rows
     order = seeded_order(len(rows), int(ds.seed), bool(ds.shuffle), ds.max_samples)
-    procs = auto_num_proc(getattr(ds, "num_proc", None), len(order))
-    data = tokenize_rows(rows, order, Renderer(tokenizer), max_length, str(ds.overlong), procs)
-    if len(data) == 0:
+    mine = len(range(shard[0], len(order), shard[1]))
+    procs = auto_num_proc(getattr(ds, "num_proc", None), mine)
+    data = tokenize_rows(rows, order, Renderer(tokenizer), max_length, str(ds.overlong), procs,
+                         shard)
+    if len(data) == 0 and mine:
+        where = "" if shard[1] == 1 else f" (shard {shard[0]} of {shard[1]})"
         raise PreflightError(
-            f"dataset.path={str(ds.path)!r}: none of {len(order)} rows is usable "
+            f"dataset.path={str(ds.path)!r}: none of {mine} rows{where} is usable "
             f"(skipped by reason: { {k: v for k, v in data.report['skipped'].items() if v} }); "
             "check the row format (ShareGPT `conversations` or OpenAI `messages`)"
         )

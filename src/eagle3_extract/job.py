@@ -27,7 +27,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from . import token_freq
-from .batching import iter_batches, plan_batches, shard_mask, todo_mask
+from .batching import iter_batches, plan_batches, todo_mask
 from .config import ConfigError, PreflightError, max_length, validate
 from .errors import Interrupted, JobError, raise_interrupted
 from .data import Renderer, Tokenized, build_dataset, load_tokenizer, read_nonempty
@@ -212,12 +212,14 @@ def preflight(cfg: Any) -> Plan:
     index, count = int(cfg.shard.index), int(cfg.shard.count)
     lock = ShardLock.acquire(root, (index, count))  # before anything in root is touched
     try:
-        if not from_launcher:
-            data = build_dataset(cfg.dataset, renderer.tok, max_len, rows)
-        mine = data.select(shard_mask(data.indices, index, count))
+        if from_launcher:  # the launcher's shard, tokenized once: this replica's part
+            mine = data.shard(index, count)
+        else:  # only this shard's rows are rendered and tokenized
+            mine = build_dataset(cfg.dataset, renderer.tok, max_len, rows, (index, count))
         fmt = str(cfg.output.format)
-        whole, broken = verified_files(root, fmt)  # names are not trusted: headers are read
-        damaged = {i: why for i, why in broken.items() if i % count == index}
+        # names are not trusted: headers are read, of this shard's files only
+        whole, broken = verified_files(root, fmt, owned=lambda i: i % count == index)
+        damaged = dict(broken)
         todo = mine.select(todo_mask(mine.indices, whole))
         storage = Storage.from_output(cfg.output)
         disk_need = _check_disk(root, info, layer_ids, todo, storage)
@@ -462,7 +464,8 @@ def _run(plan: Plan, t_start: float) -> dict[str, Any]:
             except OSError as e:  # the original error says more
                 log.error("manifest: %s", e)
 
-    done = finished_indices(root, fmt)
+    index, count = plan.shard
+    done = finished_indices(root, fmt, owned=lambda i: i % count == index)
     missing = [int(i) for i in mine.indices if int(i) not in done]
     if missing:
         snapshot("failed")

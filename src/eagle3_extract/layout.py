@@ -232,11 +232,15 @@ def content_problem(data: bytes | memoryview, fmt: str) -> tuple[str | None, boo
     return None, True
 
 
-def verified_files(root: Path, fmt: str) -> tuple[dict[int, os.DirEntry], dict[int, str]]:
+def verified_files(root: Path, fmt: str, owned: Callable[[int], bool] = lambda i: True
+                   ) -> tuple[dict[int, os.DirEntry], dict[int, str]]:
     """(whole files by index, {index: problem} of the final files that are not whole,
-    symbolic links in a sample file's place included)."""
+    symbolic links in a sample file's place included), of the indices `owned` selects
+    (a shard reads the headers of its own files only)."""
     good, bad = {}, {}
     for i, e in sample_files(root, fmt).items():
+        if not owned(i):
+            continue
         problem = file_problem(e.path, fmt, e.stat(follow_symlinks=False).st_size)
         if problem is None:
             good[i] = e
@@ -245,14 +249,15 @@ def verified_files(root: Path, fmt: str) -> tuple[dict[int, os.DirEntry], dict[i
     ext = EXTENSIONS[fmt]
     for rel in links(root):
         stem = Path(rel).name[: -len(ext)]
-        if rel.endswith(ext) and stem.isdigit():
+        if rel.endswith(ext) and stem.isdigit() and owned(int(stem)):
             bad[int(stem)] = f"a symbolic link (to {link_target(root / rel)}), not a file"
     return good, bad
 
 
-def finished_indices(root: Path, fmt: str) -> set[int]:
-    """Indices whose final file exists and is whole (`file_problem`)."""
-    return set(verified_files(root, fmt)[0])
+def finished_indices(root: Path, fmt: str, owned: Callable[[int], bool] = lambda i: True
+                     ) -> set[int]:
+    """Indices (of those `owned` selects) whose final file exists and is whole."""
+    return set(verified_files(root, fmt, owned)[0])
 
 
 def clean_stale_temps(root: Path, owned: Callable[[int], bool] = lambda i: True) -> int:

@@ -173,10 +173,16 @@ def collect(root: str | Path, stale_after: float = STALE_AFTER_S) -> dict[str, A
                 continue  # replaced while we read it: atomic writes make this rare
     files, damaged = verified_files(root, fmt)  # a file cut short does not count as done
     usable = tokens_total = None
-    for shards in manifests.values():
-        for m in shards.values():
-            usable = (m.data or {}).get("usable", usable)
-            tokens_total = (m.data or {}).get("tokens", tokens_total)
+    for n, shards in manifests.items():
+        reports = [m.data or {} for m in shards.values()]
+        if all("shard" in r for r in reports):  # per-shard reports: add up a full layout
+            if len(reports) == n and all("usable" in r for r in reports):
+                usable = sum(r["usable"] for r in reports)
+                tokens_total = sum(r.get("tokens", 0) for r in reports)
+            continue
+        for r in reports:  # older runs: every shard's report is the whole dataset's
+            usable = r.get("usable", usable)
+            tokens_total = r.get("tokens", tokens_total)
 
     partitions = []
     for n in sorted(manifests):

@@ -496,11 +496,13 @@ def check_counts(root: Path, manifests: list[Manifest], exp: Expect,
 
 def _missing_indices(manifests, exp: Expect, count: int, found: dict[int, Path]) -> list[int]:
     """Expected indices without a file, when the skip list is complete enough to tell."""
-    data = manifests[0].data or {}
-    examples = data.get("skipped_examples") or []
-    if exp.selected is None or data.get("skipped_total", 0) != len(examples):
-        return []
-    skipped = {int(e["index"]) for e in examples}
+    skipped: set[int] = set()
+    for m in manifests:  # each shard's report (or the whole dataset's, in older runs)
+        data = m.data or {}
+        examples = data.get("skipped_examples") or []
+        if exp.selected is None or data.get("skipped_total", 0) != len(examples):
+            return []
+        skipped |= {int(e["index"]) for e in examples}
     shards = {m.shard_index for m in manifests}
     return [i for i in range(int(exp.selected))
             if i not in skipped and i % count in shards and i not in found]
