@@ -36,6 +36,13 @@ def _leaked_shm(before: set[str]) -> list[str]:
     return sorted(p for i, paths in new.items() if i not in used for p in paths)
 
 
+@pytest.fixture(autouse=True)
+def own_tokenized_cache(tmp_path_factory, monkeypatch):
+    """Each test tokenizes for itself (a set another test made is not reused; the jobs it
+    starts inherit this): tests/test_tokenized_cache.py tests the reuse."""
+    monkeypatch.setenv("EAGLE3_TOKENIZED_CACHE", str(tmp_path_factory.mktemp("tokenized")))
+
+
 @pytest.fixture(scope="module", autouse=True)
 def no_shm_left_behind(request):
     """No /dev/shm entry outlives the tests of a module, killed jobs' included (their

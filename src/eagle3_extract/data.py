@@ -681,13 +681,20 @@ class Tokenized:
     def save(self, path: Path, meta: dict[str, Any]) -> None:
         """Write to directory `path` (one .npy per array, token ids as int32), `meta`
         (the run identity it was made under) beside them; complete or absent."""
-        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+        import shutil
+        import uuid
+
+        # pid alone is not unique: pods of a Kubernetes Job often all run as pid 1
+        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
         tmp.mkdir(parents=True)
-        for name in self._ARRAYS:
-            a = getattr(self, name)
-            np.save(tmp / f"{name}.npy", a.astype(np.int32) if name == "ids" else a)
-        (tmp / "meta.json").write_text(json.dumps({**meta, "report": self.report}))
-        os.replace(tmp, path)
+        try:
+            for name in self._ARRAYS:
+                a = getattr(self, name)
+                np.save(tmp / f"{name}.npy", a.astype(np.int32) if name == "ids" else a)
+            (tmp / "meta.json").write_text(json.dumps({**meta, "report": self.report}))
+            os.replace(tmp, path)  # refused when `path` is there already (a dir)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
 
     @classmethod
     def load(cls, path: Path) -> tuple["Tokenized", dict[str, Any]]:

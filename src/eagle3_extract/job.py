@@ -214,8 +214,15 @@ def preflight(cfg: Any) -> Plan:
     try:
         if from_launcher:  # the launcher's shard, tokenized once: this replica's part
             mine = data.shard(index, count)
-        else:  # only this shard's rows are rendered and tokenized
-            mine = build_dataset(cfg.dataset, renderer.tok, max_len, rows, (index, count))
+        else:  # only this shard's rows are rendered and tokenized, once per key
+            from . import tokenized_cache as tc
+
+            key = tc.key_of(ident["dataset"], tc.tokenizer_identity(info.tokenizer_path),
+                            ident["model"]["chat_template_sha256"], (index, count))
+            mine, reused = tc.cached(key, lambda: build_dataset(
+                cfg.dataset, renderer.tok, max_len, rows, (index, count)))
+            if reused:
+                log.info("tokenized set reused (%s)", tc.cache_dir() / key)
         fmt = str(cfg.output.format)
         # names are not trusted: headers are read, of this shard's files only
         whole, broken = verified_files(root, fmt, owned=lambda i: i % count == index)
