@@ -28,6 +28,7 @@ import numpy as np
 
 from .data import Tokenized
 from .layout import content_checksum
+from .manifest import file_sha256
 
 log = logging.getLogger("eagle3_extract")
 FORMAT = 1
@@ -50,25 +51,17 @@ def enabled() -> bool:
     return os.environ.get(CACHE_ENV, "").lower() not in ("off", "0", "none")
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(1 << 22):
-            h.update(block)
-    return h.hexdigest()
-
-
 def tokenizer_identity(path: str) -> dict[str, Any]:
     """The tokenizer by its files' content where they are local, else by name (a hub
     tokenizer's resolved snapshot path names its revision)."""
     p = Path(path).expanduser()
-    files = {n: _sha256(p / n) for n in TOKENIZER_FILES if (p / n).is_file()}
+    files = {n: file_sha256(p / n) for n in TOKENIZER_FILES if (p / n).is_file()}
     return {"files": files} if files else {"name": str(path)}
 
 
 def key_of(dataset: dict[str, Any], tokenizer: dict[str, Any], template_sha256: str,
            shard: tuple[int, int]) -> str:
-    code = _sha256(Path(__file__).with_name("data.py"))
+    code = file_sha256(Path(__file__).with_name("data.py"))
     ident = {"format": FORMAT, "dataset": dataset, "tokenizer": tokenizer,
              "chat_template_sha256": template_sha256, "shard": list(shard), "code": code}
     return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:24]

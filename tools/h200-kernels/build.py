@@ -43,11 +43,8 @@ ARCH = "9.0"
 
 
 def sha256(path: Path) -> str:
-    h = hashlib.sha256()
     with open(path, "rb") as f:
-        while block := f.read(1 << 22):
-            h.update(block)
-    return h.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()  # Python >= 3.11
 
 
 def main(sdist: Path, out: Path) -> dict:
