@@ -141,23 +141,20 @@ def drafter(verifier, t2d=None, d2t=None):
 
 
 def _start_times() -> dict[int, tuple[int, int, str]]:
-    """pid -> (parent pid, kernel start time, command line) of every live process."""
+    """pid -> (parent pid, kernel start time, command line) of every live process (read
+    as the job's watcher reads them, shm_watch.py)."""
+    from eagle3_extract import shm_watch
+
     out = {}
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                stat = Path(f"/proc/{d}/stat").read_text()
-            except OSError:
-                continue
-            try:  # vLLM names its processes in their argv (VLLM::EngineCore), not comm
-                name = Path(f"/proc/{d}/cmdline").read_bytes().replace(b"\0", b" ")
-                name = name.decode(errors="replace").strip()[:120]
-            except OSError:
-                name = ""
-            name = name or stat[stat.index("(") + 1:stat.rindex(")")]
-            fields = stat[stat.rindex(")") + 2:].split()
-            if fields[0] not in ("Z", "X"):
-                out[int(d)] = (int(fields[1]), int(fields[19]), name)
+    for pid, ppid in shm_watch._parents().items():
+        start = shm_watch._start_time(pid)
+        if start is None:  # gone, or a zombie
+            continue
+        try:  # vLLM names its processes in their argv (VLLM::EngineCore), not comm
+            name = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
+        except OSError:
+            continue
+        out[pid] = (ppid, start, name.decode(errors="replace").strip()[:120])
     return out
 
 

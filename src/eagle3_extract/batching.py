@@ -8,7 +8,7 @@ minute, not the last, and the ETA errs on the safe side).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import numpy as np
 
@@ -21,6 +21,11 @@ def shard_mask(indices: np.ndarray, index: int, count: int) -> np.ndarray:
     if not 0 <= index < count:
         raise ValueError(f"shard.index={index} must be in 0..{count - 1}")
     return (indices % count) == index
+
+
+def shard_owner(index: int, count: int) -> Callable[[int], bool]:
+    """`shard_mask` for one index: does shard `index` of `count` own it?"""
+    return lambda i: i % count == index
 
 
 def todo_mask(indices: np.ndarray, done: Iterable[int]) -> np.ndarray:

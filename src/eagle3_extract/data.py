@@ -742,7 +742,7 @@ class Tokenized:
                      "detail": details.get(int(i), "")}
                     for i, r, c in zip(self.skip_index[:20], self.skip_row[:20],
                                        self.skip_code[:20])]
-        regen = self.regen.sum(axis=0) if len(self.regen) else np.zeros(3, dtype=np.int64)
+        regen = self.regen.sum(axis=0)
         return {
             "rows": base["rows"],
             "selected": base["selected"],

@@ -27,7 +27,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from . import token_freq
-from .batching import iter_batches, plan_batches, todo_mask
+from .batching import iter_batches, plan_batches, shard_owner, todo_mask
 from .config import ConfigError, PreflightError, max_length, validate
 from .errors import Interrupted, JobError, raise_interrupted
 from .data import Renderer, Tokenized, build_dataset, load_tokenizer, read_nonempty
@@ -225,7 +225,8 @@ def preflight(cfg: Any) -> Plan:
                 log.info("tokenized set reused (%s)", tc.cache_dir() / key)
         fmt = str(cfg.output.format)
         # names are not trusted: headers are read, of this shard's files only
-        whole, broken = verified_files(root, fmt, owned=lambda i: i % count == index)
+        owned = shard_owner(index, count)
+        whole, broken = verified_files(root, fmt, owned)
         damaged = dict(broken)
         todo = mine.select(todo_mask(mine.indices, whole))
         storage = Storage.from_output(cfg.output)
@@ -235,7 +236,7 @@ def preflight(cfg: Any) -> Plan:
         linked = remove_links(root)  # never written or read through (layout.links)
         for i in damaged:  # redone by this run
             sample_path(root, i, int(cfg.output.files_per_dir), fmt).unlink(missing_ok=True)
-        stale = clean_stale_temps(root, owned=lambda i: i % count == index)
+        stale = clean_stale_temps(root, owned)
         clean_json_temps(root, [manifest_name(index, count),
                                 manifest_name(index, count, "token_freq")])
     except BaseException:
@@ -471,8 +472,7 @@ def _run(plan: Plan, t_start: float) -> dict[str, Any]:
             except OSError as e:  # the original error says more
                 log.error("manifest: %s", e)
 
-    index, count = plan.shard
-    done = finished_indices(root, fmt, owned=lambda i: i % count == index)
+    done = finished_indices(root, fmt, shard_owner(*plan.shard))
     missing = [int(i) for i in mine.indices if int(i) not in done]
     if missing:
         snapshot("failed")

@@ -129,12 +129,14 @@ def links(root: Path) -> list[str]:
     """
     out = [e.name for e in os.scandir(root)
            if e.is_symlink() and (e.name == DATA_DIR or TOP_LEVEL_RE.match(e.name))]
-    for sub in _subdirs(root):
-        out += [f"{DATA_DIR}/{sub.name}/{e.name}" for e in os.scandir(sub.path)
-                if e.is_symlink()]
     data = root / DATA_DIR
     if data.is_dir() and not data.is_symlink():
-        out += [f"{DATA_DIR}/{e.name}" for e in os.scandir(data) if e.is_symlink()]
+        for sub in os.scandir(data):
+            if sub.is_symlink():
+                out.append(f"{DATA_DIR}/{sub.name}")
+            elif sub.is_dir():
+                out += [f"{DATA_DIR}/{sub.name}/{e.name}" for e in os.scandir(sub.path)
+                        if e.is_symlink()]
     return sorted(out)
 
 
@@ -210,6 +212,13 @@ def content_checksum(blobs: Iterable[Any]) -> str:
     return h.hexdigest()
 
 
+def safetensors_header(data: bytes | memoryview) -> tuple[int, dict[str, Any]]:
+    """(header length, header) of a safetensors file's bytes; the tensors start at
+    8 + length."""
+    (n,) = struct.unpack("<Q", bytes(data[:8]))
+    return n, json.loads(bytes(data[8:8 + n]))
+
+
 def content_problem(data: bytes | memoryview, fmt: str) -> tuple[str | None, bool]:
     """(why a whole file's bytes differ from the checksum written with them, or None;
     whether a checksum was there at all: files of older runs have none)."""
@@ -220,9 +229,8 @@ def content_problem(data: bytes | memoryview, fmt: str) -> tuple[str | None, boo
             bad = z.testzip()
         return (None if bad is None else f"member {bad} fails its CRC-32: changed after "
                 "it was written"), True
-    (n,) = struct.unpack("<Q", bytes(data[:8]))
-    meta = json.loads(bytes(data[8:8 + n])).get("__metadata__") or {}
-    want = meta.get(CHECKSUM_KEY)
+    n, header = safetensors_header(data)
+    want = (header.get("__metadata__") or {}).get(CHECKSUM_KEY)
     if want is None:
         return None, False
     got = content_checksum([memoryview(data)[8 + n:]])

@@ -27,7 +27,7 @@ from typing import Any
 
 from .cpu_build import NAMES as CPU_BUILDS
 from .errors import PreflightError
-from .layout import RUN_JSON, Storage, json_temp_name, manifest_name
+from .layout import RUN_JSON, Storage, json_temp_name, link_target, manifest_name
 
 FORMAT_VERSION = 1
 LAYER_CONVENTION = ("vllm: id k = residual stream entering decoder layer k; "
@@ -208,19 +208,26 @@ def _diff(a: Any, b: Any, prefix: str = "") -> list[str]:
     return [] if a == b else [f"{prefix[:-1]}: {a!r} -> {b!r}"]
 
 
+def read_run_json(root: Path) -> dict[str, Any]:
+    """`root`'s run identity. Raises OSError (missing, or a symbolic link: not this
+    directory's own record, never read through) or ValueError (not JSON)."""
+    path = root / RUN_JSON
+    if path.is_symlink():
+        raise OSError(f"run.json is a symbolic link (to {link_target(path)}), not this "
+                      "directory's own record")
+    return json.loads(path.read_text())
+
+
 def check_run_json(root: Path, ident: dict[str, Any]) -> bool:
     """True if `root` holds an earlier run of this identity (resume); raise if another."""
     path = root / RUN_JSON
-    if path.is_symlink():
-        raise PreflightError(
-            f"output.dir={str(root)!r}: run.json is a symbolic link (to {os.readlink(path)}), "
-            "not this directory's own record; remove it, or set output.dir to a new directory")
-    if not path.exists():
+    if not path.exists() and not path.is_symlink():
         return False
     try:
-        old = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise PreflightError(f"output.dir={str(root)!r}: unreadable run.json ({e})") from e
+        old = read_run_json(root)
+    except (OSError, ValueError) as e:
+        raise PreflightError(f"output.dir={str(root)!r}: unreadable run.json ({e}); remove "
+                             "it, or set output.dir to a new directory") from e
     if old.get("run_id") == ident["run_id"]:
         return True
     changes = "; ".join(_diff(old, ident)[:8]) or "(identity hash differs)"

@@ -27,8 +27,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from .layout import MANIFEST_RE, RUN_JSON, links, verified_files
-from .manifest import Manifest
+from .layout import MANIFEST_RE, links, verified_files
+from .manifest import Manifest, read_run_json
 
 STALE_AFTER_S = 3600.0
 
@@ -155,10 +155,8 @@ def collect(root: str | Path, stale_after: float = STALE_AFTER_S) -> dict[str, A
     """The status of the run in `root` as a JSON-able dict (see `main`)."""
     root = Path(root)
     try:
-        if (root / RUN_JSON).is_symlink():
-            raise OSError("a symbolic link, not this directory's own record")
-        run = json.loads((root / RUN_JSON).read_text())
-    except (OSError, json.JSONDecodeError) as e:
+        run = read_run_json(root)
+    except (OSError, ValueError) as e:
         raise NotARunDir(f"{root}: no readable run.json ({e}); not an eagle3-extract output "
                          "dir, or its preflight never passed") from e
     fmt = run["output"]["format"]

@@ -29,7 +29,6 @@ import itertools
 import json
 import math
 import os
-import struct
 import sys
 import threading
 import time
@@ -52,8 +51,9 @@ from .layout import (
     Storage,
     content_problem,
     link_target,
+    safetensors_header,
 )
-from .manifest import Manifest, write_json_atomic
+from .manifest import Manifest, read_run_json, write_json_atomic
 from .quant import check_scales, dequantize, states_tensor  # noqa: F401 - re-exported
 from .token_freq import TokenCounts
 
@@ -139,9 +139,7 @@ def load_sample(path: Path, fmt: str, data: bytes | None = None
         if data is not None:
             from safetensors.torch import load
 
-            (n,) = struct.unpack("<Q", data[:8])
-            meta = json.loads(data[8:8 + n]).get("__metadata__") or {}
-            return load(data), dict(meta)
+            return load(data), dict(safetensors_header(data)[1].get("__metadata__") or {})
         from safetensors import safe_open
 
         with safe_open(str(path), framework="pt") as f:
@@ -333,16 +331,11 @@ def check_file(root: Path, index: int, path: Path, exp: Expect,
     """Check one file against the contract; stats only when it is structurally sound.
 
     With a `tally`, the file is read once into memory, its bytes checked against the
-    checksum written with them (layout.content_problem), and loaded from there.
+    checksum written with them (layout.content_problem), and loaded from there; a file
+    that fails it is still checked for the rest (what changed may show there as well).
     """
     rel = str(path.relative_to(root))
-    bad: list[Problem] = []
     checksum_bad: list[Problem] = []
-    scale_log2 = None
-
-    def fail(code: str, msg: str) -> None:
-        bad.append(Problem(rel, code, msg))
-
     try:
         data = None
         if tally is not None:
@@ -351,25 +344,39 @@ def check_file(root: Path, index: int, path: Path, exp: Expect,
                 data = f.read()
             why, had = content_problem(data, exp.fmt)
             tally.add(len(data), time.perf_counter() - t0, had)
-            if why:  # the rest is checked too: what changed may show there as well
+            if why:
                 checksum_bad.append(Problem(rel, "checksum", why))
         t, meta = load_sample(path, exp.fmt, data)
     except Exception as e:  # noqa: BLE001 - any load failure is the finding
         how = "safetensors" if exp.fmt == "safetensors" else "torch.load(weights_only=True)"
         return None, checksum_bad + [Problem(rel, "unreadable", f"does not load with {how}: "
                                                                 f"{type(e).__name__}: {str(e)[:200]}")]
+    stats, bad = _check_tensors(rel, index, t, meta, exp, damaged=bool(checksum_bad))
+    return stats, checksum_bad + bad
+
+
+def _check_tensors(rel: str, index: int, t: dict[str, Any], meta: dict[str, str],
+                   exp: Expect, damaged: bool) -> tuple[FileStats | None, list[Problem]]:
+    """A loaded file's tensors and metadata against the contract; no stats for a file
+    with a problem, or one already known `damaged` (its checksum)."""
+    bad: list[Problem] = []
+    scale_log2 = None
+
+    def fail(code: str, msg: str) -> None:
+        bad.append(Problem(rel, code, msg))
+
     missing = {"input_ids", "loss_mask", "hidden_states"} - set(t)
     if missing:
-        return None, checksum_bad + [Problem(rel, "shape", f"missing tensors {sorted(missing)}")]
+        return None, [Problem(rel, "shape", f"missing tensors {sorted(missing)}")]
     ids, mask = t["input_ids"], t["loss_mask"]
     try:
         hs = states_tensor(t["hidden_states"])
     except ValueError as e:
-        return None, checksum_bad + [Problem(rel, "shape", str(e))]
+        return None, [Problem(rel, "shape", str(e))]
     mask_dtype = torch.uint8 if exp.fmt == "safetensors" else torch.int64
     if not isinstance(ids, torch.Tensor) or ids.dim() != 1 or ids.dtype != torch.int64:
         fail("shape", f"input_ids must be a 1-D int64 tensor, got {_desc(ids)}")
-        return None, checksum_bad + bad
+        return None, bad
     T = ids.shape[0]
     if T == 0:
         fail("rows", "no tokens")
@@ -405,8 +412,7 @@ def check_file(root: Path, index: int, path: Path, exp: Expect,
         fail("nonfinite", f"NaN/Inf in hidden_states at {len(bad_rows)} rows (first "
                           f"{bad_rows[:5].tolist()})")
     truncated = _check_meta(meta, index, exp, fail)
-    bad[:0] = checksum_bad
-    if bad:
+    if bad or damaged:
         return None, bad
     norms = _norm_rows(hs)
     for a, b in itertools.combinations(range(hs.shape[1]), 2):
@@ -685,11 +691,8 @@ def validate(root: str | Path, norm_tol: float = NORM_TOL, norm_errors: bool = T
         return _finish(report, problems, warnings, t0)
     report.update(run_id=exp.run_id, format=exp.fmt, layer_ids=exp.layer_ids,
                   hidden_size=exp.hidden_size, dtype=str(exp.dtype).removeprefix("torch."))
-    run_json = root / "run.json"
     try:
-        if run_json.is_symlink():
-            raise OSError("a symbolic link, not read")
-        rid = json.loads(run_json.read_text()).get("run_id")
+        rid = read_run_json(root).get("run_id")
         if rid != exp.run_id:
             problems.append(Problem("run.json", "run_id",
                                     f"run_id {rid!r}, manifest says {exp.run_id!r}"))
