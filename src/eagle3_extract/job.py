@@ -167,6 +167,7 @@ def _launcher_samples(cfg: Any, info: Any, layer_ids: list[int],
 def preflight(cfg: Any) -> Plan:
     """Check the config against the model, data and disk; raise PreflightError."""
     from .engine import inspect_model, resolve_layer_ids
+    from .engine.memory import check_capture_memory
 
     t0 = time.perf_counter()
     validate(cfg)
@@ -198,6 +199,11 @@ def preflight(cfg: Any) -> Plan:
         )
     except ValueError as e:
         raise PreflightError(f"layers.ids: {e}") from e
+    try:  # a GPU plan that cannot fit fails here, not after the weights load
+        check_capture_memory(cfg, info, layer_ids,
+                             Storage.from_output(cfg.output).scale_columns(len(layer_ids)))
+    except ValueError as e:
+        raise PreflightError(str(e)) from e
     from_launcher = _launcher_samples(cfg, info, layer_ids, max_len)
     if from_launcher:
         data, ident = from_launcher

@@ -21,10 +21,12 @@ from .layout import SCALES_KEY, Storage  # noqa: F401 - re-exported
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8).max)  # 448
+# rows per float32 temporary in quantize_into: its peak beside the capture (engine/memory.py)
+FP8_CHUNK_ROWS = 4096
 
 
 def quantize_into(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor,
-                  chunk: int = 4096) -> None:
+                  chunk: int = FP8_CHUNK_ROWS) -> None:
     """x [R, L, H] (any float dtype) -> q [R, L, H] e4m3 and scales [R, S] float32.
 
     S = 1: one scale per row over [L, H]; S = L: one per row and layer. hs_connectors'

@@ -270,6 +270,7 @@ class VllmAuxReference:
         if not self.layer_ids:
             raise VerifyError(f"the vLLM aux path cannot give layer id {info.num_layers} (the "
                               "final pre-norm state), the only id of this run")
+        from omegaconf import OmegaConf
         from vllm import LLM
         from vllm.platforms import current_platform
 
@@ -284,6 +285,9 @@ class VllmAuxReference:
         )
         if m.quantization:
             kw["quantization"] = m.quantization
+        # the run's own EngineArgs pass-through (an attention backend, custom ops), under ours
+        user = cfg.engine.get("vllm_args")
+        kw = {**(OmegaConf.to_container(user, resolve=True) if user else {}), **kw}
         if current_platform.is_cpu():
             kw["compilation_config"] = {"custom_ops": ["none"]}  # as engine/vllm.py
         single = int(m.tensor_parallel_size) == 1

@@ -10,6 +10,7 @@ at the first call rather than fail here.
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import torch
@@ -29,3 +30,23 @@ def load(kit_dir: str | Path) -> dict:
 
 def built_ops(record: dict) -> dict[str, list[str]]:
     return {ns: list(ops) for ns, ops in record["ops"].items()}
+
+
+def install(site: str | Path) -> Path:
+    """Make `SITE/vllm/_C.py` (the vLLM kit's probe stub) dispatch to the kit's kernels:
+    the stub moves to `vllm/_C_probe.py` and vllm_C.py takes its place. Idempotent."""
+    vllm_dir = Path(site) / "vllm"
+    probe, target = vllm_dir / "_C_probe.py", vllm_dir / "_C.py"
+    if not probe.exists():
+        target.replace(probe)
+    shutil.copyfile(Path(__file__).with_name("vllm_C.py"), target)
+    return target
+
+
+if __name__ == "__main__":
+    import sys
+
+    if sys.argv[1:2] != ["install"] or len(sys.argv) != 3:
+        sys.exit("usage: kit.py install SITE_DIR   (then: export PYTHONPATH=SITE_DIR:"
+                 "tools/h200-kernels EAGLE3_KERNEL_KIT=KIT_DIR)")
+    print(f"installed {install(sys.argv[2])}")

@@ -29,10 +29,9 @@ import torch
 from ..layout import Storage
 from ..types import Batch, ExtractedBatch
 from . import ModelInfo, hostbuf
+from .memory import CAPTURE_SLACK_ROWS, capture_plan
 from .worker import QUALNAME
 
-# Rows beyond max_num_batched_tokens in the capture buffers (step padding).
-CAPTURE_SLACK_ROWS = 1024
 # A call's device-to-host copy takes milliseconds; this long without its ready mark means
 # a worker is gone.
 READY_TIMEOUT_S = 120.0
@@ -254,6 +253,7 @@ class VllmEngine:
             "host_buffer_pinned": self.pinned,
             "copy_overlaps_prefill": self.overlap,
             "states": str(self.storage.stored_dtype(self.dtype)).removeprefix("torch."),
+            "capture_device_bytes": self.capture_device_bytes,
         }
 
     # --- start-up, as vllm.v1.engine.core.EngineCore does it --------------------------
@@ -269,8 +269,16 @@ class VllmEngine:
             raise RuntimeError(f"capture plan covers layer columns {covered}, expected each "
                                f"of {list(range(len(self.layer_ids)))} once: {plans}")
         self._stages = sorted(plan["pp_rank"] for plan in plans if plan)
-        layout = hostbuf.Layout(slots, rows, len(self.layer_ids),
-                                self.vllm_config.model_config.get_hidden_size(),
+        hidden = self.vllm_config.model_config.get_hidden_size()
+        for plan in filter(None, plans):  # what memory.py plans (and preflight checked)
+            planned = capture_plan(self.max_batch_tokens, len(self.layer_ids), hidden,
+                                   self.dtype.itemsize, scale_cols,
+                                   buffers=2 if plan["overlap"] else 1).held_bytes
+            if plan["device_bytes"] != planned:
+                raise RuntimeError(f"capture buffers on PP rank {plan['pp_rank']}: "
+                                   f"{plan['device_bytes']} bytes, planned {planned}")
+        self.capture_device_bytes = max(plan["device_bytes"] for plan in plans if plan)
+        layout = hostbuf.Layout(slots, rows, len(self.layer_ids), hidden,
                                 self.storage.stored_dtype(self.dtype), scale_cols,
                                 stages=max(plan["pp_size"] for plan in plans if plan))
         self.host = hostbuf.HostBuffer(layout)

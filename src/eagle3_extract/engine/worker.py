@@ -84,6 +84,9 @@ class CaptureExtension:
             self._device_q = torch.empty(shape, dtype=FP8, device=runner.device)
             self._device_s = torch.empty((max_rows, self._scale_cols), dtype=torch.float32,
                                          device=runner.device)
+        held = [*self._device_bufs, self._positions, self._finite, self._ticket]
+        if self._scale_cols:
+            held += [self._device_q, self._device_s]
         for column in self._columns:
             hook = self._hook(column, first=column == self._columns[0])
             self._capture_hooks.append(
@@ -93,7 +96,7 @@ class CaptureExtension:
                  [layer_ids[c] for c in self._columns])
         return {"pp_rank": pp_rank, "pp_size": get_pp_group().world_size,
                 "columns": self._columns, "layers_path": path, "num_layers": len(layers),
-                "overlap": self._overlap}
+                "overlap": self._overlap, "device_bytes": sum(t.nbytes for t in held)}
 
     def _hook(self, column: int, first: bool):
         def hook(module, args, kwargs, output):

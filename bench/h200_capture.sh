@@ -1,0 +1,84 @@
+#!/usr/bin/env bash
+# Our capture with vLLM 0.16.0's own CUDA kernels on the H200 (issue 25 (a) and (d);
+# docs/engine.md, docs/BENCHMARKS.md): the vLLM kit (../shared/tools/h200-vllm016) with
+# its op stub falling through to the kernel kit (tools/h200-kernels), vLLM's custom ops
+# on (`custom_ops: [all]`, as the user's image runs eager), Triton attention.
+#   (a) a Llama-3-8B shape cut to 4 layers, real random weights built on the device from
+#       bench/configs/llama3_8b_l4.json (seeded, as tiny.py builds every test model):
+#       eagle3-extract on the committed sample set, then eagle3-verify against HF
+#       transformers and vLLM's own EAGLE-3 aux path, every layer id;
+#       the full 32-layer 8B shape (dummy weights): the job's phases against plain prefill
+#       on the same engine (bench/run.py), kernels on;
+#   (d) what the capture holds on the card (the engine's capture_device_bytes, checked
+#       against engine/memory.py's plan at start) and the CUDA context a process holds.
+# Two calls back to back (the second needs the first's /tmp/site):
+#   A: carry .gpu-bundle/{whlA,install-on-device.sh}                      -> ... A
+#   B: carry .gpu-bundle/{whlB,vllm016-py.zip,whlC,install-on-device.sh} .kernels/kit -> ... B
+set -uo pipefail
+step=${1:?A|B}
+OUT=${OUT:-/tmp/capture-results}
+mkdir -p "$OUT"
+if [[ $step == A ]]; then
+  bash .gpu-bundle/install-on-device.sh .gpu-bundle A
+  exit $?
+fi
+t0=$SECONDS
+bash .gpu-bundle/install-on-device.sh .gpu-bundle B || exit 3
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
+  .gpu-bundle/whlC/*.whl || exit 3
+python3 tools/h200-kernels/kit.py install /tmp/site || exit 3
+export PYTHONPATH=/tmp/site:$PWD/src:$PWD/tools/h200-kernels VLLM_WORKER_MULTIPROC_METHOD=spawn \
+  PYTHONUNBUFFERED=1 EAGLE3_KERNEL_KIT=$PWD/.kernels/kit EAGLE3_CACHE=/tmp/eagle3-cache
+echo "== installed in $((SECONDS - t0)) s"
+
+# (d) the CUDA context one process holds before vLLM's first snapshot
+python3 - > "$OUT/context.json" <<'PY'
+import json, subprocess, torch
+def used():
+    return int(subprocess.check_output(["nvidia-smi", "--query-gpu=memory.used",
+                                        "--format=csv,noheader,nounits"]).split()[0])
+before = used(); torch.zeros(1, device="cuda"); torch.cuda.synchronize()
+a = torch.randn(256, 256, device="cuda", dtype=torch.bfloat16); (a @ a).sum().item()
+print(json.dumps({"mib_before": before, "mib_after_context_and_cublas": used()}))
+PY
+cat "$OUT/context.json"
+python3 -c "import vllm._C as c; assert c.KIT, 'kit not loaded'; import torch; \
+print('vllm._C ->', torch.ops._C.rms_norm, torch.ops._moe_C.grouped_topk)" || exit 4
+
+run_dir=/tmp/cap-8b-l4
+common=(model=tiny model.tiny_config=bench/configs/llama3_8b_l4.json model.max_model_len=2048
+        model.gpu_memory_utilization=0.5 layers=explicit "layers.ids=[1,2,3,4]" dataset=sample
+        "+engine.vllm_args.attention_config={backend: TRITON_ATTN}"
+        "+engine.vllm_args.compilation_config={custom_ops: [all]}" engine.token_budget=8192)
+# BUDGET_S: the call's limit; a step starts only if the time it usually takes is left
+BUDGET_S=${BUDGET_S:-540}
+left() { echo $((BUDGET_S - (SECONDS - t0))); }
+for dtype in model fp8; do
+  if (($(left) < 200)); then echo "== extract $dtype skipped: $(left) s left"; continue; fi
+  out=$run_dir-$dtype
+  t=$SECONDS
+  timeout $(($(left) - 20)) python3 -m eagle3_extract.cli "${common[@]}" output.dtype=$dtype \
+    "output.dir=$out" > "$OUT/extract-$dtype.log" 2>&1
+  echo "== extract $dtype rc=$? in $((SECONDS - t)) s"; tail -12 "$OUT/extract-$dtype.log"
+  cp "$out/manifest.json" "$OUT/manifest-$dtype.json" 2> /dev/null
+  t=$SECONDS
+  timeout $(($(left) - 10)) python3 -m eagle3_extract.verify "$out" --samples 8 \
+    > "$OUT/verify-$dtype.log" 2>&1
+  echo "== verify $dtype rc=$? in $((SECONDS - t)) s"; tail -30 "$OUT/verify-$dtype.log"
+  cp "$out/verify_report.json" "$OUT/verify-$dtype.json" 2> /dev/null
+done
+
+# the full 8B shape: the job's phases against plain prefill, kernels on
+if (($(left) < 150)); then echo "== bench skipped: $(left) s left"; exit 0; fi
+if (($(df --output=avail -B1G /dev/shm | tail -1) < 8)); then export EAGLE3_SHM_DIR=/tmp; fi
+dir=/var/tmp/eagle3-bench
+[[ $(findmnt -no FSTYPE -T /var/tmp) == tmpfs ]] && dir=$PWD/.bench-out
+t=$SECONDS
+timeout $(($(left) - 10)) python3 bench/run.py --model bench/configs/llama3_8b.json \
+  --load-format dummy --synthetic 64x2048 --token-budget 32768 --max-num-seqs 16 --repeats 2 \
+  --gpu-memory-utilization 0.6 --out-dir "$dir" --engine vllm --executor mp \
+  --vllm-args '{"attention_config": {"backend": "TRITON_ATTN"}, "compilation_config": {"custom_ops": ["all"]}}' \
+  --out "$OUT/bench-8b-kernels.json" > "$OUT/bench-8b-kernels.log" 2>&1
+echo "== bench 8b kernels rc=$? in $((SECONDS - t)) s"
+grep -v '^(Worker' "$OUT/bench-8b-kernels.log" | grep -v Gloo | tail -14
+echo "== total $((SECONDS - t0)) s"
