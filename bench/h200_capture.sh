@@ -53,9 +53,9 @@ common=(model=tiny model.tiny_config=bench/configs/llama3_8b_l4.json model.max_m
 # BUDGET_S: the call's limit; a step starts only if the time it usually takes is left
 BUDGET_S=${BUDGET_S:-540}
 left() { echo $((BUDGET_S - (SECONDS - t0))); }
-for dtype in model fp8; do
-  if (($(left) < 200)); then echo "== extract $dtype skipped: $(left) s left"; continue; fi
-  out=$run_dir-$dtype
+extract_verify() {  # extract_verify DTYPE: the job, then eagle3-verify on its output
+  local dtype=$1 out=$run_dir-$1 t
+  if (($(left) < 200)); then echo "== extract $dtype skipped: $(left) s left"; return; fi
   t=$SECONDS
   timeout $(($(left) - 20)) python3 -m eagle3_extract.cli "${common[@]}" output.dtype=$dtype \
     "output.dir=$out" > "$OUT/extract-$dtype.log" 2>&1
@@ -66,7 +66,20 @@ for dtype in model fp8; do
     > "$OUT/verify-$dtype.log" 2>&1
   echo "== verify $dtype rc=$? in $((SECONDS - t)) s"; tail -30 "$OUT/verify-$dtype.log"
   cp "$out/verify_report.json" "$OUT/verify-$dtype.json" 2> /dev/null
-done
+}
+extract_verify model
+
+# issue 27: the engine loading beside tokenization vs after it (bench/overlap.py), tiny model
+if (($(left) > 150)); then
+  t=$SECONDS
+  (cd bench && timeout $(($(left) - 60)) python3 overlap.py --rows 20000 --repeats 1 \
+    --out /tmp/overlap "+engine.vllm_args.attention_config={backend: TRITON_ATTN}" \
+    "+engine.vllm_args.compilation_config={custom_ops: [all]}" > "$OUT/overlap.log" 2>&1)
+  echo "== overlap rc=$? in $((SECONDS - t)) s"; tail -4 "$OUT/overlap.log"
+  cp /tmp/overlap/overlap.json "$OUT/" 2> /dev/null
+fi
+
+extract_verify fp8
 
 # the full 8B shape: the job's phases against plain prefill, kernels on
 if (($(left) < 150)); then echo "== bench skipped: $(left) s left"; exit 0; fi

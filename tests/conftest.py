@@ -41,12 +41,7 @@ class _ShmOfThisSession:
     def note(self) -> None:
         from eagle3_extract import shm_watch
 
-        parents, tree, grew = shm_watch._parents(), {os.getpid()}, True
-        while grew:
-            more = {p for p, pp in parents.items() if pp in tree} - tree
-            tree |= more
-            grew = bool(more)
-        for pid in tree:
+        for pid in shm_watch.descendants(os.getpid()) | {os.getpid()}:
             self.noted |= shm_watch.shm_inodes_of(pid)
 
     def _run(self) -> None:
@@ -196,15 +191,12 @@ def _start_times() -> dict[int, tuple[int, int, str]]:
     return out
 
 
-def sigkill_main_leaves_nothing(proc, ready, timeout: float = 180, grace: float = 15
-                                ) -> list[str]:
-    """Follow `proc`'s process tree until `ready(names)` holds for the names seen in it,
-    SIGKILL only `proc` (not its group), and return what of the tree is still alive
-    `grace` seconds later (as "pid name"): a job's processes must not outlive it."""
-    import signal
+def follow_tree(proc, until, timeout: float = 180) -> dict[int, tuple[int, str]]:
+    """Follow `proc`'s process tree until `until(names)` holds for the names seen in it
+    or `proc` ends; pid -> (kernel start time, name) of everything seen."""
     import time
 
-    seen: dict[int, tuple[int, str]] = {}  # pid -> (start time, name)
+    seen: dict[int, tuple[int, str]] = {}
     deadline = time.monotonic() + timeout
     while True:
         procs = _start_times()
@@ -217,18 +209,35 @@ def sigkill_main_leaves_nothing(proc, ready, timeout: float = 180, grace: float 
                 elif pid not in seen and (ppid == proc.pid or ppid in seen):
                     seen[pid] = (start, name)
                     grew = True
-        if ready([n for _, n in seen.values()]) or proc.poll() is not None:
-            break
+        if until([n for _, n in seen.values()]) or proc.poll() is not None:
+            return seen
         assert time.monotonic() < deadline, f"not ready in {timeout} s: {seen}"
         time.sleep(0.3)
-    assert proc.poll() is None, f"the job ended before it was killed (rc {proc.returncode}): {seen}"
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
+
+
+def still_alive(seen: dict[int, tuple[int, str]], grace: float = 0.0) -> list[str]:
+    """What of `seen` is alive (as "pid name"), waiting up to `grace` s for it to go."""
+    import time
+
     end = time.monotonic() + grace
     while True:
         procs = _start_times()
         alive = [f"{pid} {name}" for pid, (start, name) in seen.items()
                  if pid in procs and procs[pid][1] == start]
-        if not alive or time.monotonic() > end:
+        if not alive or time.monotonic() >= end:
             return alive
         time.sleep(0.3)
+
+
+def sigkill_main_leaves_nothing(proc, ready, timeout: float = 180, grace: float = 15
+                                ) -> list[str]:
+    """Follow `proc`'s process tree until `ready(names)` holds for the names seen in it,
+    SIGKILL only `proc` (not its group), and return what of the tree is still alive
+    `grace` seconds later (as "pid name"): a job's processes must not outlive it."""
+    import signal
+
+    seen = follow_tree(proc, ready, timeout)
+    assert proc.poll() is None, f"the job ended before it was killed (rc {proc.returncode}): {seen}"
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    return still_alive(seen, grace)

@@ -1,5 +1,5 @@
-"""The vLLM engine (patched speculators on vLLM 0.16, CPU build) against the
-HF reference, and the invariants that guard against silent truncation."""
+"""The vLLM engine (our driver and worker extension on vLLM 0.16's CPU build) against
+the HF reference, and the invariants that guard against silent truncation."""
 
 from __future__ import annotations
 

@@ -360,6 +360,36 @@ def test_sigkill_of_the_main_process_leaves_no_engine_worker_or_tracker(tmp_path
 
 
 @pytest.mark.engine
+def test_an_error_after_tokenization_stops_the_engine_loading_beside_it(tmp_path):
+    """The engine loads while preflight tokenizes (engine/start.py). When tokenization
+    ends in an error (here: no row is usable), the job prints it in one line and exits 2
+    after ending the engine's processes itself: none is left when it exits (its watcher,
+    which would end them 2 s later, has nothing to do)."""
+    from conftest import follow_tree, still_alive
+
+    rows = (ASSETS / "sample" / "conversations.jsonl").read_text().splitlines() * 200
+    dataset = tmp_path / "chats.jsonl"
+    dataset.write_text("\n".join(rows) + "\n")
+    args = [str(BIN), "engine=vllm", "dataset=local", f"dataset.path={dataset}",
+            "dataset.overlong=skip", "dataset.max_length=16", "model.max_model_len=1024",
+            "engine.token_budget=1024", f"output.dir={tmp_path / 'o'}"]
+    with open(tmp_path / "err", "w") as err:
+        proc = subprocess.Popen(args, env=env(EAGLE3_TOKENIZED_CACHE="off"),
+                                stdout=subprocess.DEVNULL, stderr=err)
+        seen = follow_tree(proc, lambda names: False, timeout=300)
+        rc = proc.wait()
+        left = [p for p in still_alive(seen) if shm_watch.MODULE not in p]
+    text = (tmp_path / "err").read_text()
+    # torch warns on a host without CUDA when vLLM imports it (not ours, not on a GPU host)
+    lines = [ln for ln in text.strip().splitlines() if "No CUDA runtime is found" not in ln]
+    assert rc == 2 and len(lines) == 1, text
+    assert lines[0].startswith("eagle3-extract: error: dataset.path=") and "none of" in lines[0]
+    assert "overlong" in lines[0]
+    assert any("VLLM" in n or "spawn" in n for _, n in seen.values()), seen  # it was loading
+    assert not left, f"outlived the job: {left}"
+
+
+@pytest.mark.engine
 def test_vllm_sigkill_then_resume_gives_the_uninterrupted_result(vllm_multirun, tmp_path):
     ref = data_files(vllm_multirun[0] / "tiny" / "sample" / "eagle3")
     out = tmp_path / "killed"

@@ -180,3 +180,34 @@ def test_clean_stale_temps_only_for_owned_indices(tmp_path):
     assert sorted(p.name for p in d.iterdir()) == [".000000002.safetensors.tmp-%d"
                                                    % (os.getpid() + 2), "000000001.safetensors"]
     assert finished_indices(tmp_path, "safetensors") == {1}
+
+
+def test_one_temp_rule_unique_per_writer_and_recognized_by_the_scans(tmp_path):
+    """Every atomic write takes its temp from layout.temp_path: two writers with the same
+    pid (pods of a Kubernetes Job all run as pid 1) never share one, and the scans that
+    clean or report temps recognize the names (old pid-only ones too)."""
+    from eagle3_extract.layout import (SAMPLE_TEMP, atomic_write, remove_temps, sample_temp,
+                                       temp_path)
+
+    final = sample_path(tmp_path, 7, 10000, "safetensors")
+    names = {sample_temp(final).name for _ in range(100)}
+    assert len(names) == 100 and all(SAMPLE_TEMP.match(n) for n in names)
+    assert SAMPLE_TEMP.match(".000000007.safetensors.tmp-4242")  # written by older versions
+    final.parent.mkdir(parents=True)
+    sample_temp(final).write_bytes(b"partial")
+    assert clean_stale_temps(tmp_path) == 1 and not list(final.parent.iterdir())
+
+    target = tmp_path / "d2t.npy"
+    with pytest.raises(RuntimeError):
+        with atomic_write(target) as f:
+            f.write(b"half")
+            raise RuntimeError("killed mid-write")
+    assert list(tmp_path.iterdir()) == [tmp_path / "data"]  # neither the file nor a temp
+    with atomic_write(target) as f:
+        f.write(b"whole")
+    assert target.read_bytes() == b"whole"
+    assert not [p for p in tmp_path.iterdir() if ".tmp-" in p.name]
+    (temp_path(tmp_path / "export") / "hs").mkdir(parents=True)  # a killed export's dir
+    temp_path(tmp_path / "export").write_bytes(b"x")
+    assert remove_temps(tmp_path / "export") == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["d2t.npy", "data"]

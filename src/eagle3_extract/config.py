@@ -105,6 +105,8 @@ class EngineConfig:
     device: str = "auto"
     distributed_executor_backend: str = "mp"
     vllm_args: Dict[str, Any] = field(default_factory=dict)  # extra vLLM EngineArgs, as-is
+    # load the model while preflight tokenizes (engine/start.py); false: after it
+    start_early: bool = True
 
 
 @dataclass

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from .layout import SCALES_KEY, Storage, links, verified_files
+from .layout import SCALES_KEY, Storage, links, remove_temps, temp_path, verified_files
 from .manifest import write_json_atomic
 from .token_freq import VOCAB_DIR
 from .quant import states_tensor
@@ -63,8 +63,8 @@ def export(root: Path, out: Path) -> dict:
 
     datasets.disable_progress_bars()  # our one summary line is the progress
 
-    tmp = out.with_name(f".{out.name}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
+    remove_temps(out)  # an earlier export's, killed
+    tmp = temp_path(out)  # a directory, renamed into place when whole
     (tmp / HS_DIR).mkdir(parents=True)
     rows: dict[str, list] = {"input_ids": [], "loss_mask": [], "seq_len": [], "sample_index": []}
     for row, index in enumerate(sorted(whole)):

@@ -41,6 +41,7 @@ from .layout import (
     layout_pattern,
     manifest_name,
     sample_path,
+    temp_path,
     verified_files,
 )
 from .manifest import (
@@ -92,8 +93,12 @@ class Plan:
     lock: ShardLock | None = None  # this job's shard of root, until close()
     storage: Storage = Storage()  # how the states are stored (output.dtype)
     disk_need: int = 0  # bytes the files still to write take, about (bytes_needed)
+    engine_start: Any = None  # engine/start.py's EngineStart, loading since preflight
 
     def close(self) -> None:
+        if self.engine_start is not None:  # not taken: stopped (a no-op once taken)
+            self.engine_start.cancel()
+            self.engine_start = None
         if self.lock is not None:
             self.lock.release()
             self.lock = None
@@ -121,7 +126,7 @@ def resolve_config(cfg: Any) -> dict[str, Any]:
 def check_writable(root: Path) -> None:
     try:
         root.mkdir(parents=True, exist_ok=True)
-        probe = root / f".write-probe-{os.getpid()}"
+        probe = temp_path(root / ".write-probe")
         probe.write_bytes(b"ok")
         probe.unlink()
     except OSError as e:
@@ -164,8 +169,12 @@ def _launcher_samples(cfg: Any, info: Any, layer_ids: list[int],
     return data, ident
 
 
-def preflight(cfg: Any) -> Plan:
-    """Check the config against the model, data and disk; raise PreflightError."""
+def preflight(cfg: Any, start_engine: bool = False) -> Plan:
+    """Check the config against the model, data and disk; raise PreflightError.
+
+    `start_engine`: once every check that needs no tokens has passed, the engine starts
+    loading (engine/start.py) while this shard is tokenized; `Plan.engine_start` has it.
+    """
     from .engine import inspect_model, resolve_layer_ids
     from .engine.memory import check_capture_memory
 
@@ -217,7 +226,13 @@ def preflight(cfg: Any) -> Plan:
     resuming = check_run_json(root, ident)
     index, count = int(cfg.shard.index), int(cfg.shard.count)
     lock = ShardLock.acquire(root, (index, count))  # before anything in root is touched
+    engine_start = None
     try:
+        early = start_engine and bool(cfg.engine.start_early) and not bool(cfg.dry_run)
+        if early and not _finished_before(root, index, count, ident):
+            from .engine.start import EngineStart
+
+            engine_start = EngineStart(cfg, info, layer_ids)
         if from_launcher:  # the launcher's shard, tokenized once: this replica's part
             mine = data.shard(index, count)
         else:  # only this shard's rows are rendered and tokenized, once per key
@@ -246,14 +261,26 @@ def preflight(cfg: Any) -> Plan:
         clean_json_temps(root, [manifest_name(index, count),
                                 manifest_name(index, count, "token_freq")])
     except BaseException:
+        if engine_start is not None:
+            engine_start.cancel()
         lock.release()
         raise
     return Plan(
         cfg=cfg, resolved=resolved, root=root, info=info, layer_ids=layer_ids, ident=ident,
         mine=mine, todo=todo, resumed=len(mine) - len(todo), stale_temps=stale, links=linked,
         damaged=damaged, preflight_s=time.perf_counter() - t0, lock=lock,
-        storage=storage, disk_need=disk_need,
+        storage=storage, disk_need=disk_need, engine_start=engine_start,
     )
+
+
+def _finished_before(root: Path, index: int, count: int, ident: dict[str, Any]) -> bool:
+    """A complete manifest of this run and shard: a rerun likely has nothing to do, and
+    should not load the model for it (the file check after tokenization decides)."""
+    try:
+        m = Manifest.read(root / manifest_name(index, count))
+    except (OSError, ValueError):
+        return False
+    return m.run_id == ident["run_id"] and m.status == "complete"
 
 
 def bytes_needed(info: Any, layer_ids: list[int], tokens: int, samples: int,
@@ -352,7 +379,7 @@ def run(cfg: Any) -> dict[str, Any]:
     main = threading.current_thread() is threading.main_thread()
     old = signal.signal(signal.SIGTERM, raise_interrupted) if main else None
     try:
-        plan = preflight(cfg)
+        plan = preflight(cfg, start_engine=True)
         try:
             return _run(plan, t_start)
         finally:
@@ -435,11 +462,7 @@ def _run(plan: Plan, t_start: float) -> dict[str, Any]:
     reserve = _Reserve(root / f".reserve-{manifest_name(*plan.shard)}")
     try:
         if len(todo):
-            from .engine import build_engine
-
-            t = time.perf_counter()
-            engine = build_engine(cfg, plan.info, plan.layer_ids)
-            timings["engine_start_s"] = round(time.perf_counter() - t, 3)
+            engine = _take_engine(plan, timings)
             manifest.engine = {"name": str(cfg.engine.name),
                                "describe": getattr(engine, "describe", None)}
             batches = plan_engine_batches(plan, engine)
@@ -516,6 +539,28 @@ def _run(plan: Plan, t_start: float) -> dict[str, Any]:
         snapshot("complete")
     _summary(manifest, root)
     return manifest.to_dict()
+
+
+def _take_engine(plan: Plan, timings: dict[str, float]) -> Engine:
+    """The engine that started beside preflight (or one started now)."""
+    from .engine import build_engine
+
+    start, plan.engine_start = plan.engine_start, None
+    if start is None:
+        t = time.perf_counter()
+        engine = build_engine(plan.cfg, plan.info, plan.layer_ids)
+        timings["engine_start_s"] = round(time.perf_counter() - t, 3)
+        return engine
+    try:
+        engine = start.take()
+    except BaseException:
+        start.cancel()
+        raise
+    timings["engine_start_s"] = round(start.start_s, 3)
+    timings["engine_wait_s"] = round(start.waited_s, 3)  # after preflight was done
+    log.info("engine started in %.1fs beside preflight (%.1fs of it after preflight)",
+             start.start_s, start.waited_s)
+    return engine
 
 
 def _merge_when_last(plan: Plan) -> dict[str, Any] | None:

@@ -8,10 +8,11 @@ the job, status, validate and parallel all take names from here.
     <root>/token_freq[.shard-i-of-c].json
     <root>/data/<index // files_per_dir:05d>/<index:09d><ext>
 
-A sample file appears under its final name only when complete (temp name in
-the same dir, fsync, rename). Temp names start with "." and end in "-<pid>":
-never `*.safetensors` or `*pt` (speculators' loader takes every file whose
-name ends in "pt" for a sample).
+A file appears under its final name only when complete (temp name in the same dir,
+fsync, rename: `atomic_write`). Temp names are `.<name>.tmp-<pid>-<random>`: never
+`*.safetensors` or `*pt` (speculators' loader takes every file whose name ends in "pt"
+for a sample), and never the same for two writers (pods of a Kubernetes Job often all
+run as pid 1, and the last of several shards writes the shared files).
 """
 
 from __future__ import annotations
@@ -20,8 +21,10 @@ import json
 import os
 import re
 import struct
+import uuid
 import zipfile
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,7 +32,7 @@ from typing import Any
 DATA_DIR = "data"
 RUN_JSON = "run.json"
 EXTENSIONS = {"safetensors": ".safetensors", "speculators_pt": ".pt"}
-SAMPLE_TEMP = re.compile(r"^\.(\d+)\.(safetensors|pt)\.tmp-\d+$")
+SAMPLE_TEMP = re.compile(r"^\.(\d+)\.(safetensors|pt)\.tmp-\d+(-[0-9a-f]+)?$")
 MANIFEST_RE = re.compile(r"^manifest(?:\.shard-(\d+)-of-(\d+))?\.json$")
 SUBDIR_RE = re.compile(r"^\d{5,}$")
 # Files the job and its tools write next to data/.
@@ -99,12 +102,48 @@ def json_temp_name(name: str, tag: str) -> str:
     return f".{name}.tmp-{tag}"
 
 
+def temp_path(path: Path) -> Path:
+    """The temp file beside `path` that one writer fills before the rename."""
+    return path.with_name(json_temp_name(path.name, f"{os.getpid()}-{uuid.uuid4().hex[:8]}"))
+
+
+def remove_temps(path: Path) -> int:
+    """Remove what killed writers of `path` left beside it (`temp_path` files or
+    directories): only for a path one job owns (its lock, or a user's new directory)."""
+    import shutil
+
+    removed = 0
+    for entry in path.parent.glob(json_temp_name(path.name, "*")):
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry, ignore_errors=True)
+        else:
+            entry.unlink(missing_ok=True)
+        removed += 1
+    return removed
+
+
+@contextmanager
+def atomic_write(path: Path, mode: str = "wb", **open_kw: Any) -> Iterator[Any]:
+    """Write `path` whole or not at all: into `temp_path(path)`, fsync, rename; the temp
+    is removed if the block raises."""
+    tmp = temp_path(path)
+    try:
+        with open(tmp, mode, **open_kw) as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
 def sample_path(root: Path, index: int, files_per_dir: int, fmt: str) -> Path:
     return root / DATA_DIR / f"{index // files_per_dir:05d}" / f"{index:09d}{EXTENSIONS[fmt]}"
 
 
 def sample_temp(path: Path) -> Path:
-    return path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    return temp_path(path)
 
 
 def layout_pattern(fmt: str, files_per_dir: int) -> str:

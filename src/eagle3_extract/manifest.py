@@ -20,14 +20,13 @@ import json
 import os
 import socket
 import time
-import uuid
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 from .cpu_build import NAMES as CPU_BUILDS
 from .errors import PreflightError
-from .layout import RUN_JSON, Storage, json_temp_name, link_target, manifest_name
+from .layout import RUN_JSON, Storage, atomic_write, json_temp_name, link_target, manifest_name
 
 FORMAT_VERSION = 1
 LAYER_CONVENTION = ("vllm: id k = residual stream entering decoder layer k; "
@@ -104,14 +103,9 @@ class Manifest:
 
 
 def write_json_atomic(path: Path, obj: Any) -> None:
-    # pid alone is not unique: pods of a Kubernetes Job often all run as pid 1.
-    tmp = path.with_name(json_temp_name(path.name, f"{os.getpid()}-{uuid.uuid4().hex[:8]}"))
-    with open(tmp, "w", encoding="utf-8") as f:
+    with atomic_write(path, "w", encoding="utf-8") as f:
         json.dump(obj, f, indent=2, sort_keys=False, default=str)
         f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def clean_json_temps(root: Path, names: list[str], shared: tuple[str, ...] = (RUN_JSON,),

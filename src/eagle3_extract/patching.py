@@ -31,6 +31,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from .cpu_build import NAMES as CPU_BUILDS
+from .layout import atomic_write
 
 REPO_PATCHES = Path(__file__).resolve().parents[2] / "patches"
 MANIFEST = "speculators/_eagle3_patches.json"
@@ -175,9 +176,8 @@ def apply(target: Path, patches: Path) -> str:
         "versions": versions,
         "applied_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
     }
-    tmp_manifest = manifest_path.with_suffix(".json.tmp")
-    tmp_manifest.write_text(json.dumps(manifest, indent=2) + "\n")
-    os.replace(tmp_manifest, manifest_path)
+    with atomic_write(manifest_path, "w") as f:
+        f.write(json.dumps(manifest, indent=2) + "\n")
     return f"applied {len(series)} patches to {target}: " + ", ".join(p.name for p in series)
 
 

@@ -48,7 +48,7 @@ from .data import (
 from .errors import Interrupted, raise_interrupted
 from .generation import OUTCOMES, Regenerator, build_llm, close_llm, make_reasoning_parser
 from .lock import ShardLock
-from .layout import RUN_JSON
+from .layout import RUN_JSON, atomic_write
 from .manifest import (
     chat_template_sha256,
     check_run_json,
@@ -95,13 +95,9 @@ def read_part(path: Path, want: list[int]) -> list[dict[str, Any]] | None:
 
 
 def write_part(path: Path, recs: list[dict[str, Any]]) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w") as f:
+    with atomic_write(path, "w") as f:
         for r in sorted(recs, key=lambda r: r["index"]):
             f.write(json.dumps(r, ensure_ascii=False) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def clean_temps(root: Path, shard: tuple[int, int]) -> int:
@@ -376,9 +372,9 @@ def assemble(plan: Plan) -> dict[str, Any] | None:
     outcomes = Counter({k: 0 for k in OUTCOMES})
     fidelity = {**{k: 0 for k in REGENERATED_TURNS}, "template_drift_examples": []}
     tokens = {"generated": 0, "prompt": 0, "turns": 0}
-    tmp = plan.root / f".{CONVERSATIONS}.tmp-{os.getpid()}"
     keep_cut = str(plan.cfg.generate.on_max_tokens) == "keep"
-    with open(tmp, "w") as f:
+    # the last of several shards assembles it
+    with atomic_write(plan.root / CONVERSATIONS, "w") as f:
         for r in records:
             outcomes[r["status"]] += 1
             for t in r.get("turns", []):
@@ -395,9 +391,6 @@ def assemble(plan: Plan) -> dict[str, Any] | None:
             meta = {"index": r["index"], "row": r["row"], "turns": r["turns"]}
             f.write(json.dumps({"messages": r["messages"], GENERATED_KEY: meta},
                                ensure_ascii=False) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, plan.root / CONVERSATIONS)
     written = sum(1 for r in records if r["status"] == "finished"
                   or (r["status"] == "max_tokens" and keep_cut))
     stats = [json.loads(p.read_text()) for p in sorted(parts.glob("stats.shard-*.json"))]

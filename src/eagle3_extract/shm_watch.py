@@ -92,6 +92,16 @@ def _parents() -> dict[int, int]:
     return out
 
 
+def descendants(root: int) -> set[int]:
+    """The live processes below `root` (its children, theirs, ...)."""
+    parents, tree, grew = _parents(), {root}, True
+    while grew:
+        more = {p for p, pp in parents.items() if pp in tree} - tree
+        tree |= more
+        grew = bool(more)
+    return tree - {root}
+
+
 def shm_inodes_of(pid: int) -> set[int]:
     """The inodes of /dev/shm files process `pid` maps or holds open. Inodes, not names:
     glibc's sem_open maps a temp file it then links to the semaphore's name."""

@@ -9,11 +9,12 @@ freq["loss"].items()}`).
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from .layout import atomic_write
 
 VOCAB_DIR = "vocab"  # d2t.npy, t2d.npy: the draft vocabulary mapping
 
@@ -110,10 +111,8 @@ def write_vocab(root: Path, freq: dict[str, Any], draft_vocab_size: int,
     out = root / VOCAB_DIR
     out.mkdir(exist_ok=True)
     for name, arr in (("d2t.npy", d2t), ("t2d.npy", t2d)):
-        tmp = out / f".{name}.tmp-{os.getpid()}"
-        with open(tmp, "wb") as f:
+        with atomic_write(out / name) as f:  # the last of several shards writes it
             np.save(f, arr)
-        os.replace(tmp, out / name)
     kept = sum(n for t, n in loss.items() if t < target_vocab_size and t2d[t])
     return {"dir": VOCAB_DIR, "draft_vocab_size": len(d2t), "target_vocab_size": target_vocab_size,
             "loss_token_coverage": round(kept / max(1, sum(loss.values())), 6)}

@@ -39,6 +39,7 @@ import numpy as np
 from .config import ConfigError, validate_train
 from .errors import JobError, PreflightError
 from .export import ExportError, export
+from .layout import atomic_write, remove_temps, temp_path
 from .lock import ShardLock
 from .manifest import check_run_json, file_sha256, write_json_atomic, write_run_json
 from .token_freq import VOCAB_DIR, draft_vocab
@@ -206,9 +207,8 @@ def _vocab(plan: Plan) -> tuple[Path, Path, int]:
     dst = plan.out / VOCAB_DIR
     dst.mkdir(exist_ok=True)
     for name, arr in (("d2t.npy", d2t), ("t2d.npy", t2d)):
-        tmp = dst / f".{name}.tmp.npy"
-        np.save(tmp, arr)
-        os.replace(tmp, dst / name)
+        with atomic_write(dst / name) as f:
+            np.save(f, arr)
     return dst / "d2t.npy", dst / "t2d.npy", len(d2t)
 
 
@@ -349,8 +349,8 @@ def _publish(plan: Plan, ckpt: Path, versions: dict[str, str], seconds: float) -
         names = list(f.keys())
     check_servable(config, names, plan.served)
     dst = plan.out / DRAFTER_DIR
-    tmp = plan.out / f".{DRAFTER_DIR}.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
+    remove_temps(dst)  # a killed run's (this job holds the directory's lock)
+    tmp = temp_path(dst)  # a directory, renamed into place when whole
     tmp.mkdir()
     for name in ("config.json", "model.safetensors"):
         shutil.copy2(ckpt / name, tmp / name)

@@ -1,0 +1,105 @@
+"""The engine loads while preflight tokenizes.
+
+Tokenizing a shard (CPU) and starting the engine (weights from disk onto the devices: 20
+minutes for Kimi-K2.5) need different resources; one after the other, a job's wall is
+their sum. The job starts the engine in a thread once every check that needs no tokens
+has passed, and takes it after tokenization: the wall is about max(tokenize, start) +
+extraction. An error on either side stops both: a failed start is raised when the job
+takes the engine (tokenization ran to its end or failed first: either error is one
+line), and a failed tokenization (or an interrupt) cancels the start: the processes the
+start made are ended, and an engine that came up anyway is closed.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+from typing import Any
+
+from ..types import Engine
+
+log = logging.getLogger(__name__)
+
+# After a cancel, the start's processes get SIGTERM, then SIGKILL after this long.
+KILL_AFTER_S = 5.0
+JOIN_S = 60.0  # a start thread still running this long after its processes ended: leave it
+
+
+class EngineStart:
+    """`build_engine(cfg, info, layer_ids)` in a thread, started now."""
+
+    def __init__(self, cfg: Any, info: Any, layer_ids: list[int]):
+        # the kernel's clock for process start times (/proc/PID/stat): ticks since boot
+        self._since = int(time.clock_gettime(time.CLOCK_BOOTTIME) * os.sysconf("SC_CLK_TCK"))
+        self._lock = threading.Lock()
+        self._engine: Engine | None = None
+        self._error: BaseException | None = None
+        self._cancelled = False
+        self.start_s: float | None = None
+        self.waited_s = 0.0
+        self._t0 = time.perf_counter()
+        self._thread = threading.Thread(target=self._start, args=(cfg, info, layer_ids),
+                                        name="engine-start", daemon=True)
+        self._thread.start()
+
+    def _start(self, cfg: Any, info: Any, layer_ids: list[int]) -> None:
+        from . import build_engine
+
+        try:
+            engine = build_engine(cfg, info, layer_ids)
+        except BaseException as e:  # raised where the job takes the engine
+            with self._lock:
+                self._error = e
+            return
+        finally:
+            self.start_s = time.perf_counter() - self._t0
+        with self._lock:
+            if not self._cancelled:
+                self._engine = engine
+                return
+        engine.close()  # cancelled while it came up
+
+    def take(self) -> Engine:
+        """The engine, once started (waits); the start's error if it failed."""
+        t = time.perf_counter()
+        self._thread.join()
+        self.waited_s = time.perf_counter() - t
+        with self._lock:
+            if self._error is not None:
+                raise self._error
+            engine, self._engine = self._engine, None
+        return engine
+
+    def cancel(self) -> None:
+        """Stop the start: end the processes it made, close an engine that came up."""
+        with self._lock:
+            self._cancelled = True
+            engine, self._engine = self._engine, None
+        if engine is not None:
+            engine.close()
+            return
+        if not self._thread.is_alive():
+            return
+        children = _started_since(self._since)
+        for sig, wait in ((signal.SIGTERM, KILL_AFTER_S), (signal.SIGKILL, JOIN_S)):
+            for pid in children:
+                try:
+                    os.kill(pid, sig)
+                except OSError:
+                    pass
+            self._thread.join(wait)
+            if not self._thread.is_alive():
+                return
+        log.warning("the engine start did not stop within %.0f s; leaving it", JOIN_S)
+
+
+def _started_since(since_ticks: int) -> list[int]:
+    """This process's descendants started after `since_ticks` (the engine start's: not
+    the job's watcher, nor what this process started before)."""
+    from .. import shm_watch
+
+    return sorted(p for p in shm_watch.descendants(os.getpid()) if not shm_watch._is_watcher(p)
+                  and (shm_watch._start_time(p) or 0) >= since_ticks - 1)
