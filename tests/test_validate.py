@@ -349,3 +349,23 @@ def test_not_a_directory_or_no_manifest(tmp_path):
     assert validate.main([str(tmp_path / "nope"), "--no-report"]) == 1
     report = validate.validate(tmp_path)
     assert not report["ok"] and codes(report) == {"manifest"}
+
+
+def test_validate_and_status_name_the_same_run_after_a_rerun_with_another_layout(copy):
+    """An earlier complete 1-shard run, then a rerun with shard.count=2 that finished only
+    shard 0: both commands take the layout written last (manifest.RunManifests), so the
+    dir is not complete for either, and validate names the shard that would finish it."""
+    from eagle3_extract.status import collect
+
+    m = json.loads((copy / "manifest.json").read_text())
+    assert collect(copy)["complete"]
+    newer = {**m, "shard": {"index": 0, "count": 2}, "updated": "2099-01-01T00:00:00+0000"}
+    (copy / "manifest.shard-00000-of-00002.json").write_text(json.dumps(newer))
+    status = collect(copy)
+    assert not status["complete"]
+    assert [(p["count"], p["current"], p["complete"]) for p in status["partitions"]] == [
+        (1, False, True), (2, True, False)]
+    assert status["totals"]["shards"] == 2 and status["totals"]["missing"] == 1
+    report = run(copy)
+    assert not report["ok"] and "mixed_layouts" in codes(report, "dataset")
+    assert "shard.count=2 shard.index=<each of [1]>" in str(report["problems"])

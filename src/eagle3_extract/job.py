@@ -177,6 +177,7 @@ def preflight(cfg: Any, start_engine: bool = False) -> Plan:
     """
     from .engine import inspect_model, resolve_layer_ids
     from .engine.memory import check_capture_memory
+    from .engine.start import EngineStart, starts_apart
 
     t0 = time.perf_counter()
     validate(cfg)
@@ -229,9 +230,7 @@ def preflight(cfg: Any, start_engine: bool = False) -> Plan:
     engine_start = None
     try:
         early = start_engine and bool(cfg.engine.start_early) and not bool(cfg.dry_run)
-        if early and not _finished_before(root, index, count, ident):
-            from .engine.start import EngineStart
-
+        if early and starts_apart(cfg) and not _finished_before(root, index, count, ident):
             engine_start = EngineStart(cfg, info, layer_ids)
         if from_launcher:  # the launcher's shard, tokenized once: this replica's part
             mine = data.shard(index, count)

@@ -212,6 +212,56 @@ def read_run_json(root: Path) -> dict[str, Any]:
     return json.loads(path.read_text())
 
 
+@dataclass
+class RunManifests:
+    """Every shard manifest of an output dir, by layout (shard count) and shard index.
+
+    A rerun with another shard layout resumes from the same files and leaves the old
+    layout's manifests behind. One rule says which layout is the run now, for every
+    command that reads the dir (validate, status, export, train, verify): the one
+    written last (`updated`, then the files' mtimes).
+    """
+
+    layouts: dict[int, dict[int, Manifest]]
+    names: dict[int, list[str]]
+    last_written: dict[int, tuple[str, int]]
+    unreadable: list[tuple[str, str]]  # (file name, why)
+
+    @property
+    def current(self) -> int | None:
+        """The shard count of the layout written last, or None without manifests."""
+        if not self.layouts:
+            return None
+        return max(self.layouts, key=lambda c: self.last_written[c])
+
+    def complete(self, count: int) -> bool:
+        shards = self.layouts.get(count, {})
+        return all(i in shards and shards[i].status == "complete" for i in range(count))
+
+
+def read_manifests(root: Path) -> RunManifests:
+    """The manifests in `root` (a symbolic link where one belongs is never read: the
+    layout scans name it)."""
+    from .layout import MANIFEST_RE
+
+    run = RunManifests({}, {}, {}, [])
+    paths = sorted((Path(e.path) for e in os.scandir(root)
+                    if MANIFEST_RE.match(e.name) and not e.is_symlink()),
+                   key=lambda p: (p.name != "manifest.json", p.name))
+    for p in paths:
+        try:
+            m = Manifest.read(p)
+            written = (str(m.updated or ""), p.stat().st_mtime_ns)
+        except (OSError, ValueError) as e:
+            run.unreadable.append((p.name, str(e)))
+            continue
+        count = m.shard_count
+        run.layouts.setdefault(count, {})[m.shard_index] = m
+        run.names.setdefault(count, []).append(p.name)
+        run.last_written[count] = max(run.last_written.get(count, written), written)
+    return run
+
+
 def check_run_json(root: Path, ident: dict[str, Any]) -> bool:
     """True if `root` holds an earlier run of this identity (resume); raise if another."""
     path = root / RUN_JSON

@@ -4,7 +4,9 @@ Reads only the run directory (run.json, the shard manifests, the names of the
 sample files): no model, no dataset, so it is safe to run beside a live job, on
 a login node or from a cron check. Shards of several partitions can share a
 directory (a run resumed with another `shard.count` or data-parallel size);
-each partition is reported, and the run is complete when one of them is.
+each partition is reported, and the run is the partition written last (the rule
+eagle3-validate, export and train follow: manifest.RunManifests): it is complete
+when every shard of that one is.
 
 A shard is `complete`, `running`, `failed` or `missing` (no manifest). A
 manifest that says `running` counts as failed when its process is gone (checked
@@ -27,8 +29,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from .layout import MANIFEST_RE, links, verified_files
-from .manifest import Manifest, read_run_json
+from .layout import links, verified_files
+from .manifest import Manifest, read_manifests, read_run_json
 
 STALE_AFTER_S = 3600.0
 
@@ -160,15 +162,8 @@ def collect(root: str | Path, stale_after: float = STALE_AFTER_S) -> dict[str, A
         raise NotARunDir(f"{root}: no readable run.json ({e}); not an eagle3-extract output "
                          "dir, or its preflight never passed") from e
     fmt = run["output"]["format"]
-    manifests: dict[int, dict[int, Manifest]] = {}
-    for entry in os.scandir(root):
-        match = MANIFEST_RE.match(entry.name)
-        if match and not entry.is_symlink():  # `links` below names it
-            i, n = (int(match[1]), int(match[2])) if match[1] else (0, 1)
-            try:
-                manifests.setdefault(n, {})[i] = Manifest.read(Path(entry.path))
-            except (OSError, ValueError):
-                continue  # replaced while we read it: atomic writes make this rare
+    run_manifests = read_manifests(root)  # a link where one belongs: `links` below names it
+    manifests = run_manifests.layouts
     files, damaged = verified_files(root, fmt)  # a file cut short does not count as done
     usable = tokens_total = None
     for n, shards in manifests.items():
@@ -191,15 +186,15 @@ def collect(root: str | Path, stale_after: float = STALE_AFTER_S) -> dict[str, A
         latest = max((s.updated or "" for s in shards), default="")
         partitions.append({
             "count": n,
+            "current": n == run_manifests.current,
             "complete": all(s.state == "complete" for s in shards),
             "updated": latest,
             "shards": [asdict(s) for s in shards],
         })
     linked = links(root)
-    complete = any(p["complete"] for p in partitions) and not linked
-    primary = next((p for p in partitions if p["complete"]), None)
-    if primary is None and partitions:
-        primary = max(partitions, key=lambda p: p["updated"])
+    # the run now is the layout written last (manifest.RunManifests: validate's rule too)
+    primary = next((p for p in partitions if p["current"]), None)
+    complete = bool(primary and primary["complete"]) and not linked
     shards = primary["shards"] if primary else []
     states = [s["state"] for s in shards]
     done = len(files)
@@ -253,7 +248,8 @@ def format_report(r: dict[str, Any]) -> str:
         lines.append("  no shard manifest yet")
     for p in r["partitions"]:
         lines.append(f"  partition shard.count={p['count']}"
-                     + (" (complete)" if p["complete"] else ""))
+                     + (" (complete)" if p["complete"] else "")
+                     + ("" if p["current"] else " (earlier layout)"))
         lines.append(f"    {'shard':>11}  {'state':8}  {'samples':>13}  {'tokens':>21}  "
                      f"{'data':>12}  host / note")
         for s in p["shards"]:

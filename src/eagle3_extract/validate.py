@@ -43,7 +43,6 @@ import torch
 from .layout import (
     DATA_DIR,
     EXTENSIONS,
-    MANIFEST_RE,
     SAMPLE_TEMP,
     SCALES_KEY,
     SUBDIR_RE,
@@ -53,7 +52,7 @@ from .layout import (
     link_target,
     safetensors_header,
 )
-from .manifest import Manifest, read_run_json, write_json_atomic
+from .manifest import Manifest, read_manifests, read_run_json, write_json_atomic
 from .quant import check_scales, dequantize, states_tensor  # noqa: F401 - re-exported
 from .token_freq import TokenCounts
 
@@ -162,30 +161,15 @@ def load_manifests(root: Path) -> tuple[list[Manifest], list[Problem]]:
     the current layout is unfinished, no mix of layouts is pieced together: code
     "mixed_layouts" names the shards that would finish it (their files are found).
     """
-    paths = sorted((Path(e.path) for e in os.scandir(root)
-                    if MANIFEST_RE.match(e.name) and not e.is_symlink()),  # scan_tree names links
-                   key=lambda p: (p.name != "manifest.json", p.name))
-    if not paths:
+    run = read_manifests(root)
+    problems = [Problem(name, "manifest", f"unreadable: {why}") for name, why in run.unreadable]
+    if not run.layouts and not run.unreadable:
         return [], [Problem("dataset", "manifest", "no manifest.json (nor shard manifests)")]
-    layouts: dict[int, list[Manifest]] = {}
-    names: dict[int, list[str]] = {}
-    # when each layout was last written: `updated` (seconds), then the file's mtime (ns)
-    last: dict[int, tuple[str, int]] = {}
-    problems = []
-    for p in paths:
-        try:
-            m = Manifest.read(p)
-            written = (str(m.updated or ""), p.stat().st_mtime_ns)
-        except (OSError, ValueError) as e:
-            problems.append(Problem(p.name, "manifest", f"unreadable: {e}"))
-            continue
-        count = m.shard_count
-        layouts.setdefault(count, []).append(m)
-        names.setdefault(count, []).append(p.name)
-        last[count] = max(last.get(count, written), written)
-    if not layouts:
+    if not run.layouts:
         return [], problems
-    current = max(layouts, key=lambda c: last[c])
+    current = run.current
+    layouts = {c: list(shards.values()) for c, shards in run.layouts.items()}
+    names = run.names
     done = sorted(m.shard_index for m in layouts[current] if m.status == "complete")
     if len(layouts) > 1 and done != list(range(current)):
         # Files of several layouts, the latest one unfinished: one layout is what the

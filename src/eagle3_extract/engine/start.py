@@ -28,6 +28,17 @@ KILL_AFTER_S = 5.0
 JOIN_S = 60.0  # a start thread still running this long after its processes ended: leave it
 
 
+def starts_apart(cfg: Any) -> bool:
+    """Whether the engine can start in a thread and run in the main one: vLLM's workers in
+    processes of their own (mp, ray), or the HF engine. An in-process vLLM worker (the
+    uni executor, vLLM's choice for one device when none is named) sets per-thread state
+    where it starts: torch's CPU threads and affinity, the CUDA device; the CPU attention
+    then refuses a forward from another thread (thread_num 2 vs. 1)."""
+    if str(cfg.engine.name) == "hf":
+        return True
+    return str(cfg.engine.distributed_executor_backend) in ("mp", "ray")
+
+
 class EngineStart:
     """`build_engine(cfg, info, layer_ids)` in a thread, started now."""
 
