@@ -32,13 +32,14 @@ import torch
 
 from .config import validate_acceptance
 from .errors import JobError, PreflightError
+from .layout import TRAIN_JSON
 from .manifest import write_json_atomic
 
 log = logging.getLogger("eagle3_extract")
 
 PROG = "eagle3-acceptance"
 REPORT = "acceptance.json"
-TRAIN_RECORD = "eagle3-train.json"
+TRAIN_RECORD = TRAIN_JSON
 
 
 # --- the drafter, as vLLM 0.16's Eagle3LlamaForCausalLM computes it -----------------------

@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from .layout import MANIFEST_JSON, STATES_KEY
 from .manifest import write_json_atomic
 
 CONTROL_MARK = "e2e_control"  # sample metadata: the last layer was replaced by its post-norm
@@ -86,7 +87,7 @@ def post_norm_last_layer(root: Path) -> int:
     from .layout import sample_temp
     from .writer import save_safetensors
 
-    manifest = json.loads((root / "manifest.json").read_text())
+    manifest = json.loads((root / MANIFEST_JSON).read_text())
     model = Path(manifest["model"]["resolved_path"])
     eps = float(json.loads((model / "config.json").read_text()).get("rms_norm_eps", 1e-6))
     weight = None
@@ -103,7 +104,7 @@ def post_norm_last_layer(root: Path) -> int:
             if meta.get(CONTROL_MARK):
                 continue
             tensors = {k: st.get_tensor(k) for k in st.keys()}
-        hs = tensors["hidden_states"]
+        hs = tensors[STATES_KEY]
         last = hs[:, -1].float()
         normed = last * torch.rsqrt(last.pow(2).mean(-1, keepdim=True) + eps)
         hs[:, -1] = weight.to(hs.dtype) * normed.to(hs.dtype)  # HF LlamaRMSNorm's order
@@ -146,7 +147,7 @@ def run_chains(out: Path, args: argparse.Namespace) -> dict[str, dict[str, Any]]
     extract(out, args, "real", [], Lane())  # on every core, before the others
     plans: dict[str, tuple[list[str], list[str]]] = {"real": ([], [])}
     if not args.no_control:
-        manifest = json.loads((out / "extract-real" / "manifest.json").read_text())
+        manifest = json.loads((out / "extract-real" / MANIFEST_JSON).read_text())
         extract_ids, served_ids = control_layer_ids(manifest["layer_ids"])
         plans["control"] = (
             ["layers=explicit", f"layers.ids=[{','.join(map(str, extract_ids))}]"],
@@ -216,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.min_first is not None and first < args.min_first:
         problems.append(f"real drafter: first-position acceptance {first:.1%} < {args.min_first:.1%}")
     if "control" in reports:
-        manifest = json.loads((out / "extract-real" / "manifest.json").read_text())
+        manifest = json.loads((out / "extract-real" / MANIFEST_JSON).read_text())
         extract_ids, served_ids = control_layer_ids(manifest["layer_ids"])
         control = reports["control"]
         result["control"] = control

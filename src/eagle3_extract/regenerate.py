@@ -48,7 +48,7 @@ from .data import (
 from .errors import Interrupted, raise_interrupted
 from .generation import OUTCOMES, Regenerator, build_llm, close_llm, make_reasoning_parser
 from .lock import ShardLock
-from .layout import RUN_JSON, atomic_write
+from .layout import MANIFEST_JSON, RUN_JSON, atomic_write
 from .manifest import (
     chat_template_sha256,
     check_run_json,
@@ -62,7 +62,7 @@ from .manifest import (
 log = logging.getLogger("eagle3_extract")
 
 CONVERSATIONS = "conversations.jsonl"
-MANIFEST = "manifest.json"
+MANIFEST = MANIFEST_JSON
 PARTS = "parts"
 KIND = "eagle3-regenerate"
 WRITTEN = ("finished", "max_tokens")

@@ -14,9 +14,8 @@ from typing import Any
 
 import numpy as np
 
-from .layout import atomic_write
+from .layout import D2T_NPY, T2D_NPY, VOCAB_DIR, atomic_write
 
-VOCAB_DIR = "vocab"  # d2t.npy, t2d.npy: the draft vocabulary mapping
 
 
 def _bincount_into(acc: np.ndarray, ids: np.ndarray) -> np.ndarray:
@@ -110,7 +109,7 @@ def write_vocab(root: Path, freq: dict[str, Any], draft_vocab_size: int,
     d2t, t2d = draft_vocab(loss, draft_vocab_size, target_vocab_size)
     out = root / VOCAB_DIR
     out.mkdir(exist_ok=True)
-    for name, arr in (("d2t.npy", d2t), ("t2d.npy", t2d)):
+    for name, arr in ((D2T_NPY, d2t), (T2D_NPY, t2d)):
         with atomic_write(out / name) as f:  # the last of several shards writes it
             np.save(f, arr)
     kept = sum(n for t, n in loss.items() if t < target_vocab_size and t2d[t])

@@ -39,10 +39,11 @@ import numpy as np
 from .config import ConfigError, validate_train
 from .errors import JobError, PreflightError
 from .export import ExportError, export
-from .layout import atomic_write, remove_temps, temp_path
+from .layout import (D2T_NPY, EXPORT_JSON, T2D_NPY, TOKEN_FREQ_JSON, TRAIN_JSON, VOCAB_DIR,
+                     atomic_write, remove_temps, temp_path)
 from .lock import ShardLock
 from .manifest import check_run_json, file_sha256, write_json_atomic, write_run_json
-from .token_freq import VOCAB_DIR, draft_vocab
+from .token_freq import draft_vocab
 from .validate import complete_run
 
 log = logging.getLogger("eagle3_extract")
@@ -50,7 +51,7 @@ log = logging.getLogger("eagle3_extract")
 PROG = "eagle3-train"
 SPECULATORS_VERSION = "0.9.0"
 EXPORT_DIR, CKPT_DIR, DRAFTER_DIR = "export", "checkpoints", "drafter"
-RECORD = "eagle3-train.json"
+RECORD = TRAIN_JSON
 NUM_AUX = 3  # vLLM 0.16 llama_eagle3: fc input = 3 x target hidden size
 # Tensor names vLLM 0.16's Eagle3LlamaForCausalLM.load_weights accepts (layer 0 shown;
 # any draft layer index goes the same way).
@@ -150,11 +151,11 @@ def preflight(cfg: Any) -> Plan:
         raise PreflightError("train.device=cuda but the trainer's torch sees no GPU; "
                              "use train.device=cpu or auto")
     vocab = cfg.train.draft_vocab_size
-    if vocab is not None and not (data / "token_freq.json").is_file():
+    if vocab is not None and not (data / TOKEN_FREQ_JSON).is_file():
         raise PreflightError(f"train.draft_vocab_size={vocab}: {data}/token_freq.json is "
                              "missing (needed to rebuild the draft vocabulary)")
-    if vocab is None and not (data / VOCAB_DIR / "d2t.npy").is_file():
-        raise PreflightError(f"{data}/{VOCAB_DIR}/d2t.npy is missing: set "
+    if vocab is None and not (data / VOCAB_DIR / D2T_NPY).is_file():
+        raise PreflightError(f"{data}/{VOCAB_DIR}/{D2T_NPY} is missing: set "
                              "train.draft_vocab_size to build it from token_freq.json")
     from omegaconf import OmegaConf
 
@@ -180,7 +181,7 @@ def preflight(cfg: Any) -> Plan:
 def _export(plan: Plan) -> Path:
     """The trainer's input: reused when it is this extraction's, else written anew."""
     dst = plan.out / EXPORT_DIR
-    rec = dst / "export.json"
+    rec = dst / EXPORT_JSON
     if rec.is_file():
         old = json.loads(rec.read_text())
         if old.get("run_id") == plan.manifest.run_id and old.get("layer_ids") == plan.layer_ids:
@@ -199,17 +200,17 @@ def _vocab(plan: Plan) -> tuple[Path, Path, int]:
     size = plan.cfg.train.draft_vocab_size
     src = plan.data / VOCAB_DIR
     if size is None:
-        d2t = np.load(src / "d2t.npy")
-        return src / "d2t.npy", src / "t2d.npy", len(d2t)
-    freq = json.loads((plan.data / "token_freq.json").read_text())
+        d2t = np.load(src / D2T_NPY)
+        return src / D2T_NPY, src / T2D_NPY, len(d2t)
+    freq = json.loads((plan.data / TOKEN_FREQ_JSON).read_text())
     target_vocab = int(json.loads((plan.verifier / "config.json").read_text())["vocab_size"])
     d2t, t2d = draft_vocab({int(k): v for k, v in freq["loss"].items()}, int(size), target_vocab)
     dst = plan.out / VOCAB_DIR
     dst.mkdir(exist_ok=True)
-    for name, arr in (("d2t.npy", d2t), ("t2d.npy", t2d)):
+    for name, arr in ((D2T_NPY, d2t), (T2D_NPY, t2d)):
         with atomic_write(dst / name) as f:
             np.save(f, arr)
-    return dst / "d2t.npy", dst / "t2d.npy", len(d2t)
+    return dst / D2T_NPY, dst / T2D_NPY, len(d2t)
 
 
 def trainer_args(plan: Plan, export_dir: Path, d2t: Path, t2d: Path) -> list[str]:
@@ -228,7 +229,7 @@ def trainer_args(plan: Plan, export_dir: Path, d2t: Path, t2d: Path) -> list[str
             "--train-data-ratio", str(t.train_data_ratio)]
     if t.max_steps is not None:
         args += ["--max-steps", str(t.max_steps)]
-    if json.loads((export_dir / "export.json").read_text()).get("hidden_states") == "fp8":
+    if json.loads((export_dir / EXPORT_JSON).read_text()).get("hidden_states") == "fp8":
         args += ["--hidden-states-backend", "fp8"]  # hs_connectors' FP8Transfer dequantizes
     if plan.device == "cpu":
         # no autocast on CPU: the bf16 states are read as float32, the dtype of the weights

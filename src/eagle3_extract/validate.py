@@ -43,8 +43,12 @@ import torch
 from .layout import (
     DATA_DIR,
     EXTENSIONS,
+    INPUT_IDS_KEY,
+    LOSS_MASK_KEY,
+    RUN_JSON,
     SAMPLE_TEMP,
     SCALES_KEY,
+    STATES_KEY,
     SUBDIR_RE,
     TOP_LEVEL_RE,
     Storage,
@@ -349,12 +353,12 @@ def _check_tensors(rel: str, index: int, t: dict[str, Any], meta: dict[str, str]
     def fail(code: str, msg: str) -> None:
         bad.append(Problem(rel, code, msg))
 
-    missing = {"input_ids", "loss_mask", "hidden_states"} - set(t)
+    missing = {INPUT_IDS_KEY, LOSS_MASK_KEY, STATES_KEY} - set(t)
     if missing:
         return None, [Problem(rel, "shape", f"missing tensors {sorted(missing)}")]
     ids, mask = t["input_ids"], t["loss_mask"]
     try:
-        hs = states_tensor(t["hidden_states"])
+        hs = states_tensor(t[STATES_KEY])
     except ValueError as e:
         return None, [Problem(rel, "shape", str(e))]
     mask_dtype = torch.uint8 if exp.fmt == "safetensors" else torch.int64
@@ -678,10 +682,10 @@ def validate(root: str | Path, norm_tol: float = NORM_TOL, norm_errors: bool = T
     try:
         rid = read_run_json(root).get("run_id")
         if rid != exp.run_id:
-            problems.append(Problem("run.json", "run_id",
+            problems.append(Problem(RUN_JSON, "run_id",
                                     f"run_id {rid!r}, manifest says {exp.run_id!r}"))
     except (OSError, json.JSONDecodeError) as e:
-        problems.append(Problem("run.json", "manifest", f"unreadable: {e}"))
+        problems.append(Problem(RUN_JSON, "manifest", f"unreadable: {e}"))
     found, tree = scan_tree(root, exp.fmt, exp.files_per_dir)
     problems += tree
     counted = check_counts(root, manifests, exp, found)

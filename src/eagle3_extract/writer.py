@@ -18,8 +18,8 @@ from pathlib import Path
 
 import torch
 
-from .layout import (CHECKSUM_KEY, EXTENSIONS, SCALES_KEY, content_checksum, sample_path,
-                     sample_temp)
+from .layout import (CHECKSUM_KEY, EXTENSIONS, SCALES_KEY, STATES_KEY, content_checksum,
+                     sample_path, sample_temp)
 from .types import ExtractedBatch, Sample
 
 
@@ -121,7 +121,7 @@ def write_sample(path: Path, sample: Sample, states: torch.Tensor, fmt: str,
             {
                 "input_ids": input_ids,
                 "loss_mask": torch.tensor(sample.loss_mask, dtype=torch.uint8),
-                "hidden_states": states.contiguous(),
+                STATES_KEY: states.contiguous(),
                 **({SCALES_KEY: scales} if scales is not None else {}),
             },
             tmp,
@@ -139,7 +139,7 @@ def write_sample(path: Path, sample: Sample, states: torch.Tensor, fmt: str,
             {
                 "input_ids": input_ids,
                 "loss_mask": torch.tensor(sample.loss_mask, dtype=torch.int64),
-                "hidden_states": [states[:, j, :].clone() for j in range(states.shape[1])],
+                STATES_KEY: [states[:, j, :].clone() for j in range(states.shape[1])],
             },
             tmp,
         )
