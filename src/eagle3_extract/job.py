@@ -210,9 +210,9 @@ def preflight(cfg: Any, start_engine: bool = False) -> Plan:
         )
     except ValueError as e:
         raise PreflightError(f"layers.ids: {e}") from e
+    storage = Storage.from_output(cfg.output)  # how the states are stored: built once
     try:  # a GPU plan that cannot fit fails here, not after the weights load
-        check_capture_memory(cfg, info, layer_ids,
-                             Storage.from_output(cfg.output).scale_columns(len(layer_ids)))
+        check_capture_memory(cfg, info, layer_ids, storage.scale_columns(len(layer_ids)))
     except ValueError as e:
         raise PreflightError(str(e)) from e
     from_launcher = _launcher_samples(cfg, info, layer_ids, max_len)
@@ -250,7 +250,6 @@ def preflight(cfg: Any, start_engine: bool = False) -> Plan:
         whole, broken = verified_files(root, fmt, owned)
         damaged = dict(broken)
         todo = mine.select(todo_mask(mine.indices, whole))
-        storage = Storage.from_output(cfg.output)
         disk_need = _check_disk(root, info, layer_ids, todo, storage)
         if not resuming:  # shards starting together need not all rewrite it
             write_run_json(root, ident)

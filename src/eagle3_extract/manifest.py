@@ -185,9 +185,15 @@ def run_identity(cfg: Any, info: Any, layer_ids: list[int], template_sha256: str
     stored = Storage.from_output(cfg.output).identity()
     if stored:  # only when not the model dtype: the run ids of earlier runs stay valid
         ident["output"]["states"] = stored
-    ident["run_id"] = hashlib.sha256(
-        json.dumps(ident, sort_keys=True).encode()
-    ).hexdigest()[:16]
+    return with_run_id(ident)
+
+
+def with_run_id(ident: dict[str, Any]) -> dict[str, Any]:
+    """`ident` plus its `run_id`: 16 hex digits of the sha256 of its canonical JSON. One
+    definition for extraction, regeneration and training runs: a rerun is the same run
+    exactly when everything that determines its output is the same."""
+    ident = {k: v for k, v in ident.items() if k != "run_id"}
+    ident["run_id"] = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
     return ident
 
 

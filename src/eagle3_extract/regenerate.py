@@ -51,6 +51,7 @@ from .lock import ShardLock
 from .layout import MANIFEST_JSON, RUN_JSON, atomic_write
 from .manifest import (
     chat_template_sha256,
+    with_run_id,
     check_run_json,
     clean_json_temps,
     dataset_identity,
@@ -191,8 +192,7 @@ def identity(cfg: Any, info: Any, template_sha256: str, vocab: str) -> dict[str,
         "generate": {k: g[k] for k in ("temperature", "top_p", "max_tokens", "seed", "turns",
                                        "reasoning", "on_max_tokens", "chunk_samples")},
     }
-    ident["run_id"] = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
-    return ident
+    return with_run_id(ident)
 
 
 def preflight(cfg: Any) -> Plan:

@@ -42,7 +42,8 @@ from .export import ExportError, export
 from .layout import (D2T_NPY, EXPORT_JSON, T2D_NPY, TOKEN_FREQ_JSON, TRAIN_JSON, VOCAB_DIR,
                      atomic_write, remove_temps, temp_path)
 from .lock import ShardLock
-from .manifest import check_run_json, file_sha256, write_json_atomic, write_run_json
+from .manifest import (check_run_json, file_sha256, with_run_id, write_json_atomic,
+                       write_run_json)
 from .token_freq import draft_vocab
 from .validate import complete_run
 
@@ -162,9 +163,8 @@ def preflight(cfg: Any) -> Plan:
     settings = OmegaConf.to_container(cfg.train, resolve=True)
     for key in ("python", "device", "name"):
         settings.pop(key, None)
-    identity = {"kind": PROG, "data_run_id": m.run_id, "layer_ids": layer_ids,
-                "served_layer_ids": served, "train": settings}
-    identity["run_id"] = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
+    identity = with_run_id({"kind": PROG, "data_run_id": m.run_id, "layer_ids": layer_ids,
+                            "served_layer_ids": served, "train": settings})
     out.mkdir(parents=True, exist_ok=True)
     if not os.access(out, os.W_OK):
         raise ConfigError(f"output.dir={str(out)!r} is not writable")
