@@ -180,16 +180,19 @@ verify: ## recompute samples of an extraction with the reference engine: DIR=...
 	@docker/make-job.sh verify $(ARGS)
 
 # --- checks -------------------------------------------------------------------------------
-# Two lanes: `make test` starts no engine and needs only .venv (minutes; run it on every
-# change); `make test-engine` starts the real vLLM 0.16 CPU engine or runs in .venv-train
-# (the trainer's and the peer's env). CI runs both; `make test-all` is the two in one run.
-# TESTS: which test files or folders (default all); PYTEST_ARGS: anything else for pytest.
+# Two lanes: `make test` starts no vLLM engine and needs only .venv (minutes; run it on
+# every change); `make test-engine` runs the tests marked `engine` (they start the real
+# vLLM 0.16 CPU engine) or `trainer` (they run in .venv-train: the trainer's and the peer's
+# env). CI runs both; `make test-all` is the two in one run.
+# TESTS: which test files or folders (default all); MARK: the engine lane's selection
+# (default "engine or trainer"); PYTEST_ARGS: anything else for pytest.
 TESTS ?= tests
+MARK ?= engine or trainer
 test: venv ## the fast lane: every test that starts no engine (TESTS=..., PYTEST_ARGS=...)
-	$(VPY) -m pytest -q $(TESTS) -m "not engine" $(PYTEST_ARGS)
+	$(VPY) -m pytest -q $(TESTS) -m "not engine and not trainer" $(PYTEST_ARGS)
 
 test-engine: venv venv-train venv-peer ## the engine lane: vLLM CPU engine and .venv-train tests
-	$(VPY) -m pytest -q $(TESTS) -m engine $(PYTEST_ARGS)
+	$(VPY) -m pytest -q $(TESTS) -m "$(MARK)" $(PYTEST_ARGS)
 
 test-all: venv venv-train venv-peer ## both lanes in one pytest run
 	$(VPY) -m pytest -q $(TESTS) $(PYTEST_ARGS)

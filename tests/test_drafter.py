@@ -20,7 +20,7 @@ from eagle3_extract.e2e import control_layer_ids
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN_PY = ROOT / ".venv-train" / "bin" / "python"
-pytestmark = pytest.mark.engine
+pytestmark = [pytest.mark.engine, pytest.mark.trainer]
 
 
 def cli(module: str, *args: str, check: bool = True) -> subprocess.CompletedProcess:

@@ -108,6 +108,7 @@ print(f"AGREE {agree / total:.4f} {total}")
 """
 
 
+@pytest.mark.trainer
 def test_speculators_09_targets_from_the_export_are_the_models_own(smollm2, st_run, tmp_path):
     import subprocess
     from pathlib import Path
@@ -125,6 +126,7 @@ def test_speculators_09_targets_from_the_export_are_the_models_own(smollm2, st_r
     assert share >= 0.98  # 98.7% on CI's AVX2-only host, 99%+ on AVX-512 (see above)
 
 
+@pytest.mark.trainer
 def test_speculators_09_targets_from_an_fp8_export_are_the_models_own(smollm2, tmp_path):
     """The real SmolLM2 extracted as fp8 by vLLM 0.16: the targets speculators 0.9.0 derives
     from the dequantized final state still give the model's own next token (measured 0.96-
@@ -252,6 +254,7 @@ print("read", len(ds), "rows with speculators", version("speculators"))
 """
 
 
+@pytest.mark.trainer
 def test_speculators_09_reads_the_export(tmp_path, monkeypatch):
     """speculators 0.9.0's own ArrowDataset, in its own environment (.venv-train, made by
     `make venv-train`), reads `eagle3-export` output: ids, masks, aux and final states."""

@@ -44,7 +44,7 @@ print("same bytes as hs_connectors")
 """
 
 
-@pytest.mark.engine  # runs in .venv-train, which the image does not carry
+@pytest.mark.trainer
 def test_quantize_is_hs_connectors_bit_for_bit(tmp_path):
     from safetensors.torch import save_file
 
@@ -227,6 +227,7 @@ print("read", len(ds), "fp8 rows")
 
 
 @pytest.mark.engine
+@pytest.mark.trainer
 def test_the_fp8_export_is_what_speculators_09_reads(runs, tmp_path):
     import json
 
@@ -243,6 +244,7 @@ def test_the_fp8_export_is_what_speculators_09_reads(runs, tmp_path):
 
 
 @pytest.mark.engine
+@pytest.mark.trainer
 def test_the_trainer_trains_on_fp8(runs, tmp_path):
     r = subprocess.run(
         [str(ROOT / ".venv" / "bin" / "python"), "-m", "eagle3_extract.train",

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.engine
+pytestmark = [pytest.mark.engine, pytest.mark.trainer]
 ROOT = Path(__file__).resolve().parents[1]
 PEER_PY = ROOT / ".venv-train" / "bin" / "python"
 SAMPLES = 6
