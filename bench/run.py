@@ -33,7 +33,8 @@ import phases
 import report
 import torch
 
-from eagle3_extract.engine import build_engine, inspect_model, resolve_layer_ids
+from eagle3_extract.engine import inspect_model, resolve_layer_ids
+from eagle3_extract.engine.start import build_engine
 from eagle3_extract.model import read_config
 
 ROOT = Path(__file__).resolve().parents[1]

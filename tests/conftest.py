@@ -117,7 +117,8 @@ def engine_cfg(name: str, **kw) -> SimpleNamespace:
 
 def make_engine(name: str, layer_ids=None, arch="llama", dtype="bfloat16", model_kw=None,
                 **engine_kw):
-    from eagle3_extract.engine import build_engine, inspect_model, resolve_layer_ids
+    from eagle3_extract.engine import inspect_model, resolve_layer_ids
+    from eagle3_extract.engine.start import build_engine
 
     m = model_cfg(arch, dtype, **(model_kw or {}))
     info = inspect_model(m)

@@ -191,7 +191,8 @@ def test_nan_rows_are_refused_by_the_devices_finite_flags(storage):
     caller waits in extract or later in ExtractedBatch.wait(), and nothing else breaks."""
     from types import SimpleNamespace
 
-    from eagle3_extract.engine import build_engine, inspect_model
+    from eagle3_extract.engine import inspect_model
+    from eagle3_extract.engine.start import build_engine
     from conftest import engine_cfg, model_cfg
 
     m = model_cfg("llama", "bfloat16")

@@ -466,13 +466,13 @@ def run(cfg: Any) -> dict[str, Any]:
 
 
 def _task(cfg: Any) -> None:
-    from .cli import run_guarded
+    from .hydra_app import run_guarded
 
     run_guarded(PROG, run, cfg, "")
 
 
 def main() -> None:
-    from .cli import hydra_main
+    from .hydra_app import hydra_main
 
     hydra_main("acceptance", PROG, _task)
 

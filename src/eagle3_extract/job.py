@@ -221,7 +221,7 @@ def preflight(cfg: Any, start_engine: bool = False) -> Plan:
     else:
         tokenizer = load_tokenizer(info.tokenizer_path, bool(cfg.model.trust_remote_code))
         renderer = Renderer(tokenizer)  # raises if there is no chat template
-        from .regenerate import check_regenerated_input
+        from .regenerated import check_regenerated_input
 
         check_regenerated_input(str(cfg.dataset.path), tokenizer, info)
         ident = run_identity(cfg, info, layer_ids, chat_template_sha256(tokenizer), max_len)
@@ -542,7 +542,7 @@ def _run(plan: Plan, t_start: float) -> dict[str, Any]:
 
 def _take_engine(plan: Plan, timings: dict[str, float]) -> Engine:
     """The engine that started beside preflight (or one started now)."""
-    from .engine import build_engine
+    from .engine.start import build_engine
 
     start, plan.engine_start = plan.engine_start, None
     if start is None:

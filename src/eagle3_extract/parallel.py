@@ -241,35 +241,12 @@ def launch(cfg: Any, overrides: list[str], log_root: Path) -> int:
     for r in replicas:
         r.env[TOKENIZED_ENV] = str(tokenized)
     try:
-        return _run_replicas(cfg, overrides, replicas, root, t0)
+        return run_replicas(cfg, overrides, replicas, root, t0)
     finally:
         plan.close()  # the job's shard lock: the replicas' locks nest inside it
 
 
-def launch_regenerate(cfg: Any, overrides: list[str], log_root: Path) -> int:
-    """`launch` for eagle3-regenerate: preflight once, then one replica per shard; the
-    last replica to finish assembles conversations.jsonl."""
-    from . import regenerate
-
-    t0 = time.perf_counter()
-    regenerate.validate_regenerate(cfg)
-    replicas = plan_replicas(cfg, log_root)
-    plan = regenerate.preflight(cfg)
-    try:
-        return _run_replicas(cfg, overrides, replicas, plan.root, t0,
-                             module="eagle3_extract.regenerate",
-                             progress=lambda root, reps: "{} part files of {} replicas".format(
-                                 len(list((root / regenerate.PARTS).glob("chunk-*.jsonl"))),
-                                 len(reps)),
-                             summary=lambda root, reps, wall: log.info(
-                                 "done: %d replicas in %.1fs; %s", len(reps), wall,
-                                 root / regenerate.CONVERSATIONS))
-    finally:
-        if plan.lock is not None:
-            plan.lock.release()
-
-
-def _run_replicas(cfg: Any, overrides: list[str], replicas: list[Replica], root: Path,
+def run_replicas(cfg: Any, overrides: list[str], replicas: list[Replica], root: Path,
                   t0: float, module: str = "eagle3_extract.cli", progress: Any = None,
                   summary: Any = None) -> int:
     progress = progress or _progress_line
@@ -342,13 +319,13 @@ def _summary(root: Path, replicas: list[Replica], wall_s: float) -> None:
     )
 
 
-def launch_hydra_job(cfg: Any, regenerate: bool = False) -> int:
-    """`launch` (or `launch_regenerate`) from inside a Hydra job: its overrides, its log dir."""
+def launch_hydra_job(cfg: Any, how: Any = None) -> int:
+    """`launch` (or another command's, e.g. regenerate.launch) from inside a Hydra job:
+    its overrides, its log dir."""
     from hydra.core.hydra_config import HydraConfig
 
     hc = HydraConfig.get()
-    how = launch_regenerate if regenerate else launch
-    return how(cfg, list(hc.overrides.task), Path(hc.runtime.output_dir))
+    return (how or launch)(cfg, list(hc.overrides.task), Path(hc.runtime.output_dir))
 
 
 def die_with_launcher() -> None:

@@ -404,13 +404,13 @@ def run(cfg: Any) -> dict[str, Any]:
 
 
 def _task(cfg: Any) -> None:
-    from .cli import run_guarded
+    from .hydra_app import run_guarded
 
     run_guarded(PROG, run, cfg, "; rerun the same command to resume from the last epoch checkpoint")
 
 
 def main() -> None:
-    from .cli import hydra_main
+    from .hydra_app import hydra_main
 
     hydra_main("train", PROG, _task)
 

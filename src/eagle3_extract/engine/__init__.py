@@ -1,15 +1,14 @@
 """Engines: prefill a batch of token ids and capture the residual stream.
 
 Layer ids are resolved here once, in the vLLM / EAGLE-3 convention; every later
-stage sees explicit integers.
+stage sees explicit integers. An engine is made by engine/start.py (`build_engine`,
+or `EngineStart` beside preflight): this package's modules import from here, never
+the other way round.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
 from ..model import ModelInfo, inspect_model  # noqa: F401 - the engines' input
-from ..types import Engine
 
 
 def default_layer_ids(num_layers: int) -> list[int]:
@@ -41,16 +40,3 @@ def resolve_layer_ids(ids: list[int] | None, num_layers: int) -> list[int]:
     if any(b <= a for a, b in zip(ids, ids[1:])):
         raise ValueError(f"layers.ids {ids} must be strictly increasing (no duplicates)")
     return ids
-
-
-def build_engine(cfg: Any, info: ModelInfo, layer_ids: list[int]) -> Engine:
-    name = cfg.engine.name
-    if name == "hf":
-        from .hf import HFEngine
-
-        return HFEngine(cfg, info, layer_ids)
-    if name == "vllm":
-        from .vllm import VllmEngine
-
-        return VllmEngine(cfg, info, layer_ids)
-    raise ValueError(f"engine={name!r}: choose engine=vllm or engine=hf")

@@ -19,6 +19,7 @@ import threading
 import time
 from typing import Any
 
+from ..model import ModelInfo
 from ..types import Engine
 
 log = logging.getLogger(__name__)
@@ -39,6 +40,19 @@ def starts_apart(cfg: Any) -> bool:
     return str(cfg.engine.distributed_executor_backend) in ("mp", "ray")
 
 
+def build_engine(cfg: Any, info: ModelInfo, layer_ids: list[int]) -> Engine:
+    name = cfg.engine.name
+    if name == "hf":
+        from .hf import HFEngine
+
+        return HFEngine(cfg, info, layer_ids)
+    if name == "vllm":
+        from .vllm import VllmEngine
+
+        return VllmEngine(cfg, info, layer_ids)
+    raise ValueError(f"engine={name!r}: choose engine=vllm or engine=hf")
+
+
 class EngineStart:
     """`build_engine(cfg, info, layer_ids)` in a thread, started now."""
 
@@ -57,8 +71,6 @@ class EngineStart:
         self._thread.start()
 
     def _start(self, cfg: Any, info: Any, layer_ids: list[int]) -> None:
-        from . import build_engine
-
         try:
             engine = build_engine(cfg, info, layer_ids)
         except BaseException as e:  # raised where the job takes the engine

@@ -1,0 +1,151 @@
+"""The Hydra plumbing every command's entry point stands on: compose the config (a typo
+or a wrong type fails before anything starts), quiet the engines' logs, and turn the
+job's errors into one line and an exit status. Imports nothing of the commands."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+from typing import Any
+
+from omegaconf import DictConfig
+
+from .config import conf_dir
+from .errors import Interrupted, JobError, PreflightError
+
+log = logging.getLogger("eagle3_extract")
+
+
+def quiet_engine_logs(verbose: bool) -> None:
+    """vLLM's own INFO lines (dozens per start) only with verbose=true; its warnings and
+    errors always. Set before vLLM is imported; workers inherit it."""
+    if not verbose:
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+        os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+
+def log_to_file(message: str) -> None:
+    """An error in the job's log file (Hydra's) only: stderr has its one line, and the
+    console handler would print it a second time on stdout."""
+    record = log.makeRecord(log.name, logging.ERROR, __file__, 0, message, None, None)
+    for handler in logging.getLogger().handlers + log.handlers:
+        if isinstance(handler, logging.FileHandler):
+            handler.handle(record)
+
+
+def run_guarded(prog: str, fn: Any, cfg: DictConfig, interrupted: str) -> None:
+    """Run a job's `fn(cfg)` with the exits every command of ours shares: a preflight or
+    config error is one line and exit 2, a signal 128 + its number, a JobError its own code.
+    A watcher removes the shared memory the job's processes leave if they are SIGKILLed."""
+    from . import shm_watch
+
+    quiet_engine_logs(bool(cfg.verbose))
+    shm_watch.start()
+    try:
+        fn(cfg)
+    except PreflightError as e:
+        log_to_file(f"preflight: {e}")
+        print(f"{prog}: error: {e}", file=sys.stderr, flush=True)
+        sys.exit(2)
+    except (KeyboardInterrupt, Interrupted) as e:  # before the job's own handling began
+        signum = getattr(e, "signum", signal.SIGINT)
+        print(f"{prog}: interrupted by {signal.Signals(signum).name}{interrupted}",
+              file=sys.stderr, flush=True)
+        sys.exit(128 + signum)
+    except JobError as e:
+        log_to_file(str(e))
+        print(f"{prog}: {e}", file=sys.stderr, flush=True)
+        sys.exit(e.exit_code)
+
+
+# Hydra's own flags; those that take a value take the next argument.
+_FLAGS_WITH_VALUE = {"--config-path", "-cp", "--config-name", "-cn", "--config-dir", "-cd",
+                     "--cfg", "-c", "--package", "-p", "--experimental-rerun"}
+_NO_COMPOSE = {"--help", "-h", "--hydra-help", "--version", "--info", "-i",
+               "--shell-completion", "-sc"}
+
+
+def overrides_of(argv: list[str]) -> list[str] | None:
+    """The Hydra overrides on a command line; None when it only asks for help."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a in _NO_COMPOSE:
+            return None
+        elif a in _FLAGS_WITH_VALUE:
+            skip = True
+        elif not a.startswith("-"):
+            out.append(a)
+    return out
+
+
+def config_problem(overrides: list[str], config_name: str = "config",
+                   prog: str = "eagle3-extract") -> str | None:
+    """What is wrong with the overrides, in one line, or None.
+
+    Composes the config once as Hydra will (a sweep with its first value of each
+    swept key) so that a misspelt key or a wrong type is reported in one line with
+    exit 2, not in Hydra's multi-line text; and refuses `+key=...` additions of keys
+    the schema does not have (Hydra adds them silently), except under the free-form
+    `engine.vllm_args` and `hydra`.
+    """
+    from hydra import compose, initialize_config_dir
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        parsed = OverridesParser.create().parse_overrides(overrides)
+    except HydraException as e:
+        return f"cannot parse the overrides: {str(e).splitlines()[0]}"
+    first, added = [], []
+    for o in parsed:
+        key = o.key_or_group
+        if key == "hydra" or key.startswith("hydra."):
+            continue
+        prefix = {"ADD": "+", "FORCE_ADD": "++", "DEL": "~"}.get(o.type.name, "")
+        try:
+            value = (next(iter(o.sweep_string_iterator()), None) if o.is_sweep_override()
+                     else o.get_value_element_as_str())
+        except Exception:  # noqa: BLE001 - an interval sweep etc.: Hydra checks it itself
+            continue
+        pkg = f"@{o.package}" if o.package else ""
+        first.append(f"{prefix}{key}{pkg}" + ("" if value is None else f"={value}"))
+        is_group = (conf_dir() / key.split(".")[0]).is_dir() and "." not in key
+        if prefix in ("+", "++") and not is_group and not key.startswith("engine.vllm_args."):
+            added.append(key)
+    try:
+        with initialize_config_dir(str(conf_dir()), version_base="1.3"):
+            cfg = compose(config_name, overrides=first)
+    except (HydraException, OmegaConfBaseException) as e:
+        cause = e.__cause__ if e.__cause__ is not None else e
+        msg = " ".join(str(cause).split("\n")[0].split())
+        key = getattr(cause, "full_key", None)
+        where = f"{key}: " if key and key not in msg else ""
+        return f"{where}{msg} (see the keys with: {prog} --cfg job)"
+    for key in added:
+        parent, _, leaf = key.rpartition(".")
+        node = OmegaConf.select(cfg, parent) if parent else cfg
+        known = sorted(k for k in (node.keys() if OmegaConf.is_dict(node) else []) if k != leaf)
+        near = __import__("difflib").get_close_matches(leaf, known, n=1)
+        hint = f"did you mean {parent + '.' if parent else ''}{near[0]}? " if near else ""
+        return (f"+{key}: {parent or 'the config'} has no key {leaf!r}; {hint}"
+                "(extra vLLM engine arguments go under +engine.vllm_args.<name>)")
+    return None
+
+
+def hydra_main(config_name: str, prog: str, task: Any) -> None:
+    """A Hydra main over conf/<config_name>.yaml whose config errors are one line, exit 2."""
+    import hydra
+
+    overrides = overrides_of(sys.argv[1:])
+    if overrides is not None:
+        problem = config_problem(overrides, config_name, prog)
+        if problem:
+            print(f"{prog}: error: {problem}", file=sys.stderr, flush=True)
+            sys.exit(2)
+    hydra.main(config_path=str(conf_dir()), config_name=config_name, version_base="1.3")(task)()
