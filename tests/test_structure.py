@@ -70,3 +70,14 @@ def test_no_import_cycle():
     found = cycles(graph)
     assert not found, "import cycles: " + "; ".join(
         " <-> ".join(c) + f" ({ {m: sorted(graph[m] & set(c)) for m in c} })" for c in found)
+
+
+def test_development_drivers_are_not_imported_by_user_commands():
+    """e2e and the peer comparison are development-only: no module a user command runs
+    imports them (so they can change, or leave the package, without touching the job)."""
+    graph = import_graph()
+    dev = {"eagle3_extract.e2e", "eagle3_extract.peer", "eagle3_extract.peer_run",
+           "eagle3_extract.peer_connector"}
+    assert dev <= set(graph)
+    users = {m: sorted(graph[m] & dev) for m in graph if m not in dev and graph[m] & dev}
+    assert not users, users

