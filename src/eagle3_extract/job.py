@@ -388,6 +388,34 @@ def run(cfg: Any) -> dict[str, Any]:
             signal.signal(signal.SIGTERM, old)
 
 
+def _log_plan(plan: Plan) -> None:
+    """What preflight found, as the user reads it before the engine runs."""
+    mine, todo = plan.mine, plan.todo
+    log.info(
+        "preflight ok in %.1fs: %d samples for this shard (%d tokens), %d already done, "
+        "%d to do; layers %s; output %s",
+        plan.preflight_s, len(mine), int(mine.lengths.sum()), plan.resumed, len(todo),
+        plan.layer_ids, plan.root,
+    )
+    per_token = plan.storage.bytes_per_token(len(plan.layer_ids), plan.info.hidden_size,
+                                             plan.info.dtype)
+    log.info("disk: about %.2f GB to write (%d bytes a token, states %s), %.2f GB free",
+             plan.disk_need / 1e9, per_token,
+             "fp8 + scales" if plan.storage.fp8 else str(plan.info.dtype).removeprefix(
+                 "torch."), shutil.disk_usage(plan.root).free / 1e9)
+    if plan.links:
+        log.warning("removed %d symbolic links where this job's files belong (%s%s): "
+                    "nothing is written or read through them; what they held is redone",
+                    len(plan.links), ", ".join(plan.links[:3]),
+                    ", ..." if len(plan.links) > 3 else "")
+    if plan.stale_temps:
+        log.info("removed %d stale temp files from an interrupted run", plan.stale_temps)
+    if plan.damaged:
+        first = next(iter(plan.damaged.items()))
+        log.warning("%d sample files were not whole and will be redone (e.g. index %d: %s)",
+                    len(plan.damaged), *first)
+
+
 def _run(plan: Plan, t_start: float) -> dict[str, Any]:
     cfg, root, mine, todo = plan.cfg, plan.root, plan.mine, plan.todo
     fmt, per_dir = str(cfg.output.format), int(cfg.output.files_per_dir)
@@ -400,29 +428,7 @@ def _run(plan: Plan, t_start: float) -> dict[str, Any]:
     produced = dict(before.produced_by or {}) if before else {}
     if before and before.engine:
         manifest.engine = before.engine  # replaced only if this run starts an engine
-    log.info(
-        "preflight ok in %.1fs: %d samples for this shard (%d tokens), %d already done, "
-        "%d to do; layers %s; output %s",
-        plan.preflight_s, len(mine), int(mine.lengths.sum()), plan.resumed, len(todo),
-        plan.layer_ids, root,
-    )
-    per_token = plan.storage.bytes_per_token(len(plan.layer_ids), plan.info.hidden_size,
-                                             plan.info.dtype)
-    log.info("disk: about %.2f GB to write (%d bytes a token, states %s), %.2f GB free",
-             plan.disk_need / 1e9, per_token,
-             "fp8 + scales" if plan.storage.fp8 else str(plan.info.dtype).removeprefix(
-                 "torch."), shutil.disk_usage(root).free / 1e9)
-    if plan.links:
-        log.warning("removed %d symbolic links where this job's files belong (%s%s): "
-                    "nothing is written or read through them; what they held is redone",
-                    len(plan.links), ", ".join(plan.links[:3]),
-                    ", ..." if len(plan.links) > 3 else "")
-    if plan.stale_temps:
-        log.info("removed %d stale temp files from an interrupted run", plan.stale_temps)
-    if plan.damaged:
-        first = next(iter(plan.damaged.items()))
-        log.warning("%d sample files were not whole and will be redone (e.g. index %d: %s)",
-                    len(plan.damaged), *first)
+    _log_plan(plan)
     if bool(cfg.dry_run):
         log.info("dry_run: preflight only, nothing extracted")
         return {"status": "dry_run", "preflight_s": plan.preflight_s, "samples": len(mine),
@@ -508,27 +514,8 @@ def _run(plan: Plan, t_start: float) -> dict[str, Any]:
     freq_path = root / manifest_name(*plan.shard, "token_freq")
     write_json_atomic(freq_path, token_freq.of_tokenized(mine))
 
-    written = writer.written if writer else 0
-    tokens_run = writer.tokens if writer else 0
     timings["total_s"] = round(time.perf_counter() - t_start, 3)
-    if timings.get("extract_s"):
-        timings["tokens_per_s"] = round(tokens_run / timings["extract_s"], 1)
-    manifest.counts = {
-        "samples": len(mine),
-        "written": len(mine),
-        "written_this_run": written,
-        "resumed": plan.resumed,
-        "redone_damaged": len(plan.damaged),
-        "skipped": mine.report["skipped"],
-        "skipped_total": mine.report["skipped_total"],
-        "truncated": int(mine.truncated.sum()),
-    }
-    manifest.tokens = {"total": int(mine.lengths.sum()),
-                       "loss": int(mine.mask.sum()), "this_run": tokens_run}
-    manifest.bytes = {
-        "data": file_bytes(root, mine.indices.tolist(), per_dir, fmt),
-        "this_run": writer.bytes if writer else 0,
-    }
+    _count(manifest, plan, writer, timings)
     manifest.token_freq = freq_path.name
     manifest.finished = time.strftime("%Y-%m-%dT%H:%M:%S%z")
     snapshot("complete")
@@ -538,6 +525,32 @@ def _run(plan: Plan, t_start: float) -> dict[str, Any]:
         snapshot("complete")
     _summary(manifest, root)
     return manifest.to_dict()
+
+
+def _count(manifest: Manifest, plan: Plan, writer: Writer | None,
+           timings: dict[str, float]) -> None:
+    """The finished shard's counts, tokens and bytes, into its manifest."""
+    mine = plan.mine
+    fmt, per_dir = str(plan.cfg.output.format), int(plan.cfg.output.files_per_dir)
+    tokens_run = writer.tokens if writer else 0
+    if timings.get("extract_s"):
+        timings["tokens_per_s"] = round(tokens_run / timings["extract_s"], 1)
+    manifest.counts = {
+        "samples": len(mine),
+        "written": len(mine),
+        "written_this_run": writer.written if writer else 0,
+        "resumed": plan.resumed,
+        "redone_damaged": len(plan.damaged),
+        "skipped": mine.report["skipped"],
+        "skipped_total": mine.report["skipped_total"],
+        "truncated": int(mine.truncated.sum()),
+    }
+    manifest.tokens = {"total": int(mine.lengths.sum()),
+                       "loss": int(mine.mask.sum()), "this_run": tokens_run}
+    manifest.bytes = {
+        "data": file_bytes(plan.root, mine.indices.tolist(), per_dir, fmt),
+        "this_run": writer.bytes if writer else 0,
+    }
 
 
 def _take_engine(plan: Plan, timings: dict[str, float]) -> Engine:
