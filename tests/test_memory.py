@@ -74,15 +74,14 @@ def test_only_rank_0_of_each_stage_captures():
     # share no longer fits there
     busy = cards(8)
     busy[1] = Card(1, 96 * GB, 56 * GB)
-    why = check_fits(plan, busy, 0.85, tp=8, pp=1, token_budget=32768)
+    why = check_fits(plan, busy, 0.85, tp=8, pp=1)
     assert why.startswith("GPU 1:") and "free the GPU" in why
     # TP=4 x PP=2: cards 0 and 4 capture; a card that fits vLLM only is fine elsewhere
     tight = [Card(i, 96 * GB, 96 * GB - (4 * GB if i % 4 else 0)) for i in range(8)]
-    assert check_fits(plan, tight, 0.85, tp=4, pp=2, token_budget=32768) is None
+    assert check_fits(plan, tight, 0.85, tp=4, pp=2) is None
     tight[4] = Card(4, 96 * GB, 86 * GB)
-    assert check_fits(plan, tight, 0.85, tp=4, pp=2, token_budget=32768).startswith("GPU 4:")
-    assert "8 GPUs, 4 visible" in check_fits(plan, cards(4), 0.85, tp=8, pp=1,
-                                             token_budget=32768)
+    assert check_fits(plan, tight, 0.85, tp=4, pp=2).startswith("GPU 4:")
+    assert "8 GPUs, 4 visible" in check_fits(plan, cards(4), 0.85, tp=8, pp=1)
 
 
 def test_cpu_runs_and_hosts_without_a_driver_are_not_checked():

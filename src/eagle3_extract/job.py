@@ -231,7 +231,10 @@ def preflight(cfg: Any, start_engine: bool = False) -> Plan:
     engine_start = None
     try:
         early = start_engine and bool(cfg.engine.start_early) and not bool(cfg.dry_run)
-        if early and starts_apart(cfg) and not _finished_before(root, index, count, ident):
+        # a rerun of a finished shard likely has nothing to do: no model load for it (the
+        # file check after tokenization decides)
+        before = _previous_manifest(root, (index, count), ident["run_id"])
+        if early and starts_apart(cfg) and not (before and before.status == "complete"):
             engine_start = EngineStart(cfg, info, layer_ids)
         if from_launcher:  # the launcher's shard, tokenized once: this replica's part
             mine = data.shard(index, count)
@@ -270,16 +273,6 @@ def preflight(cfg: Any, start_engine: bool = False) -> Plan:
         damaged=damaged, preflight_s=time.perf_counter() - t0, lock=lock,
         storage=storage, disk_need=disk_need, engine_start=engine_start,
     )
-
-
-def _finished_before(root: Path, index: int, count: int, ident: dict[str, Any]) -> bool:
-    """A complete manifest of this run and shard: a rerun likely has nothing to do, and
-    should not load the model for it (the file check after tokenization decides)."""
-    try:
-        m = Manifest.read(root / manifest_name(index, count))
-    except (OSError, ValueError):
-        return False
-    return m.run_id == ident["run_id"] and m.status == "complete"
 
 
 def bytes_needed(info: Any, layer_ids: list[int], tokens: int, samples: int,
@@ -424,7 +417,7 @@ def _run(plan: Plan, t_start: float) -> dict[str, Any]:
     manifest.output["targets"] = TARGETS[fmt]
     manifest.process = process_identity()  # lets eagle3-status tell a killed job
     manifest.data = mine.report
-    before = _previous_manifest(plan)
+    before = _previous_manifest(root, plan.shard, plan.ident["run_id"])
     produced = dict(before.produced_by or {}) if before else {}
     if before and before.engine:
         manifest.engine = before.engine  # replaced only if this run starts an engine
@@ -563,11 +556,7 @@ def _take_engine(plan: Plan, timings: dict[str, float]) -> Engine:
         engine = build_engine(plan.cfg, plan.info, plan.layer_ids)
         timings["engine_start_s"] = round(time.perf_counter() - t, 3)
         return engine
-    try:
-        engine = start.take()
-    except BaseException:
-        start.cancel()
-        raise
+    engine = start.take()  # raises the start's error; its thread has ended either way
     timings["engine_start_s"] = round(start.start_s, 3)
     timings["engine_wait_s"] = round(start.waited_s, 3)  # after preflight was done
     log.info("engine started in %.1fs beside preflight (%.1fs of it after preflight)",
@@ -598,13 +587,13 @@ def _merge_when_last(plan: Plan) -> dict[str, Any] | None:
     return {"token_freq": TOKEN_FREQ_JSON, **token_freq.write_vocab(root, freq, int(size), vocab)}
 
 
-def _previous_manifest(plan: Plan) -> Manifest | None:
+def _previous_manifest(root: Path, shard: tuple[int, int], run_id: str) -> Manifest | None:
     """This shard's manifest from an earlier run of the same identity, if any."""
     try:
-        m = Manifest.read(plan.root / manifest_name(*plan.shard))
+        m = Manifest.read(root / manifest_name(*shard))
     except (OSError, ValueError):
         return None
-    if m.run_id != plan.ident["run_id"]:
+    if m.run_id != run_id:
         return None
     if m.produced_by is None and m.engine and m.counts:  # written before produced_by
         m.produced_by = {m.engine["name"]: int(m.counts.get("written", 0))}

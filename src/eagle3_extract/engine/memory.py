@@ -120,8 +120,8 @@ def visible_cards() -> list[Card] | None:
         nvml.nvmlShutdown()
 
 
-def check_fits(plan: CapturePlan, cards: list[Card], utilization: float, tp: int, pp: int,
-               token_budget: int) -> str | None:
+def check_fits(plan: CapturePlan, cards: list[Card], utilization: float, tp: int,
+               pp: int) -> str | None:
     """Why the engine plus the capture cannot fit on `cards` (one line naming the fix),
     or None. Card k of the engine's tp x pp holds vLLM's share; k % tp == 0 captures."""
     need_cards = tp * pp
@@ -149,7 +149,7 @@ def check_fits(plan: CapturePlan, cards: list[Card], utilization: float, tp: int
             "engine.token_budget"
         return (f"{what}; the capture needs {plan.peak_bytes / GIB:.2f} GiB more on this "
                 f"rank ({plan.rows} rows x {plan.layers} layers x {plan.hidden}, "
-                f"engine.token_budget={token_budget}) and {max(room, 0) / GIB:.2f} GiB are "
+                f"engine.token_budget={plan.rows - CAPTURE_SLACK_ROWS}) and {max(room, 0) / GIB:.2f} GiB are "
                 f"left: {fix} or lower {budget_fix}")
     return None
 
@@ -168,8 +168,7 @@ def check_capture_memory(cfg: Any, info: Any, layer_ids: list[int], scale_cols: 
     plan = capture_plan(budget, len(layer_ids), int(info.hidden_size),
                         info.dtype.itemsize, scale_cols)
     why = check_fits(plan, cards, float(cfg.model.gpu_memory_utilization),
-                     int(cfg.model.tensor_parallel_size), int(cfg.model.pipeline_parallel_size),
-                     int(cfg.engine.token_budget))
+                     int(cfg.model.tensor_parallel_size), int(cfg.model.pipeline_parallel_size))
     if why:
         raise ValueError(why)
     return plan
