@@ -1,6 +1,6 @@
 """Job wall with the engine loading beside tokenization vs after it, one dataset, one run.
 
-    .venv/bin/python bench/overlap.py [--rows 6000] [--repeats 2] [--out DIR] [OVERRIDE ...]
+    .venv/bin/python bench/overlap.py [--rows 6000] [--repeats 2] [--job-timeout S] [--out DIR] [OVERRIDE ...]
 
 Writes `--rows` chat conversations (bench/dp_preflight.py's rows: the committed sample
 set, each row varied so none tokenizes alike), then runs the whole `eagle3-extract` job
@@ -27,7 +27,8 @@ from dp_preflight import write_rows
 
 
 
-def run_job(dataset: Path, out: Path, early: bool, max_length: int, extra: list[str]) -> dict:
+def run_job(dataset: Path, out: Path, early: bool, max_length: int, extra: list[str],
+            timeout: float) -> dict:
     cmd = [sys.executable, "-m", "eagle3_extract.cli", "engine=vllm", "dataset=local", f"dataset.path={dataset}",
            "dataset.overlong=skip", f"dataset.max_length={max_length}",
            "model.max_model_len=1024", "engine.token_budget=4096",
@@ -35,7 +36,13 @@ def run_job(dataset: Path, out: Path, early: bool, max_length: int, extra: list[
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
            "EAGLE3_TOKENIZED_CACHE": "off"}
     t0 = time.perf_counter()
-    r = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
+    except subprocess.TimeoutExpired as e:  # the job is killed; its watcher ends its tree
+        tail = (e.stdout or b"")[-3000:], (e.stderr or b"")[-3000:]
+        raise SystemExit(f"{' '.join(cmd)} ran past {timeout} s (a hang?):\n"
+                         + "\n".join(t.decode(errors="replace") if isinstance(t, bytes) else t
+                                      for t in tail))
     wall = time.perf_counter() - t0
     if r.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)} exited {r.returncode}:\n{r.stderr[-3000:]}")
@@ -49,6 +56,7 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=6000)
     ap.add_argument("--max-length", type=int, default=192)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--job-timeout", type=float, default=900, help="seconds a job may run")
     ap.add_argument("--out", type=Path, default=Path("/tmp/eagle3-overlap-bench"))
     ap.add_argument("overrides", nargs="*", help="more eagle3-extract overrides (the GPU kit's "
                                                  "+engine.vllm_args..., model=...)")
@@ -62,7 +70,7 @@ def main() -> None:
         for early in (False, True):
             out = args.out / f"run-{rep}-{'early' if early else 'after'}"
             subprocess.run(["rm", "-rf", str(out)], check=True)
-            r = run_job(dataset, out, early, args.max_length, args.overrides)
+            r = run_job(dataset, out, early, args.max_length, args.overrides, args.job_timeout)
             runs.append(r)
             print(f"start_early={str(early).lower():5}  wall {r['wall_s']:6.1f} s   preflight "
                   f"{r['preflight_s']:5.1f}  engine start {r.get('engine_start_s', 0):5.1f}"

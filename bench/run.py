@@ -82,6 +82,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=1, help="batches run untimed before phases")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--writer-threads", type=int, default=2)
+    p.add_argument("--more-writer-threads", type=lambda s: [int(x) for x in s.split(",")],
+                   default=[], metavar="N,M",
+                   help="also run phase (3) with these writer thread counts, same engine, "
+                        "interleaved (phases extract_disk_wN)")
     p.add_argument("--output-dtype", choices=("model", "fp8"), default="model",
                    help="how the states are stored (output.dtype): fp8 halves the bytes")
     p.add_argument("--fp8-scale", choices=("token", "token_layer"), default="token")
@@ -180,15 +184,16 @@ def main(argv: list[str] | None = None) -> dict:
     files_root, raw_root = args.out_dir / "extract", args.out_dir / "raw"
     threads, pending = args.writer_threads, args.host_buffers
 
-    def run_disk(bs):
+    def run_disk(bs, n=threads):
         inputs.clear_dir(files_root)  # untimed: a fresh directory each run
-        return phases.timed(lambda: phases.extract_disk(engine, bs, files_root, threads,
-                                                        pending))
+        return phases.timed(lambda: phases.extract_disk(engine, bs, files_root, n, pending))
 
     runs = {
         "prefill": lambda bs: phases.timed(lambda: phases.prefill(engine, bs)),
         "extract_host": lambda bs: phases.timed(lambda: phases.extract_host(engine, bs)),
-        "extract_disk": run_disk,
+        **{f"extract_disk_w{n}": lambda bs, n=n: run_disk(bs, n)
+           for n in args.more_writer_threads},
+        "extract_disk": run_disk,  # last: its files are the ones checked and kept
     }
     results: dict[str, list] = {k: [] for k in runs}
     breakdown: dict = {}
@@ -262,7 +267,10 @@ def main(argv: list[str] | None = None) -> dict:
         "disk": disk,
         "ratios": {"extract_host_vs_prefill": figures["extract_host"]["tok_s"] / prefill_tok_s,
                    "extract_disk_vs_prefill": wall / prefill_tok_s,
-                   "extract_disk_steady_vs_prefill": e2e / prefill_tok_s},
+                   "extract_disk_steady_vs_prefill": e2e / prefill_tok_s,
+                   **{f"extract_disk_w{n}_vs_prefill":
+                      figures[f"extract_disk_w{n}"]["tok_s"] / prefill_tok_s
+                      for n in args.more_writer_threads}},
         "target": {"threshold": TARGET, "measure": "steady" if steady else "wall",
                    "disk_tok_s": disk_tok_s, "bound_tok_s": bound,
                    "bound_by": "prefill" if prefill_tok_s <= disk_tok_s else "disk",
@@ -319,6 +327,10 @@ def print_summary(r: dict, out: Path) -> None:
         print(f"  (3) steady state     {ph['extract_disk']['steady_tok_s']:12,.0f} tok/s "
               "(between the first and the last batch landing on disk)")
     ratios = r["ratios"]
+    for n in r["args"].get("more_writer_threads") or []:
+        f = ph[f"extract_disk_w{n}"]
+        print(f"  (3) with {n} writers {f['tok_s']:12,.0f} tok/s  {f['bytes_per_s'] / 1e6:8,.0f} "
+              f"MB/s written  (3)/(1) = {ratios[f'extract_disk_w{n}_vs_prefill']:.3f} wall")
     print(f"  (2)/(1) = {ratios['extract_host_vs_prefill']:.3f}   "
           f"(3)/(1) = {ratios['extract_disk_vs_prefill']:.3f} wall, "
           f"{ratios['extract_disk_steady_vs_prefill']:.3f} steady")

@@ -35,7 +35,7 @@ class _ShmOfThisSession:
 
         self.noted: set[int] = set()
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread = threading.Thread(target=self._run, daemon=True, name="tests-shm-notes")
         self._thread.start()
 
     def note(self) -> None:

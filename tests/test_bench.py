@@ -28,7 +28,7 @@ def smoke(tmp_path_factory):
     out = tmp / "figures.json"
     proc = subprocess.run(
         [sys.executable, str(ROOT / "bench/run.py"), "--smoke", "--out", str(out),
-         "--out-dir", str(tmp / "files"), "--keep-files"],
+         "--out-dir", str(tmp / "files"), "--keep-files", "--more-writer-threads", "1"],
         cwd=ROOT, capture_output=True, text=True, timeout=900,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
@@ -46,7 +46,8 @@ def test_json_has_every_field(smoke):
     assert r["model"]["hidden_size"] == 128 and r["model"]["num_layers"] == 8
     assert r["model"]["dtype"] == "bfloat16"
     assert r["layer_ids"] == [2, 4, 5, 8]
-    assert set(r["phases"]) == {"prefill", "extract_host", "extract_disk"}
+    assert set(r["phases"]) == {"prefill", "extract_host", "extract_disk", "extract_disk_w1"}
+    assert r["phases"]["extract_disk_w1"]["bytes"] == r["phases"]["extract_disk"]["bytes"]
     assert r["data"]["source"] == "sample" and r["data"]["batches"] > 1
     assert set(r["flops"]["mfu"]) == set(r["phases"])
 
@@ -63,7 +64,7 @@ def test_figures_are_sane(smoke):
         "bytes"]
     assert isinstance(r["target"]["met"], bool)
     assert r["flops"]["per_token"] > 2 * r["flops"]["decoder_params"] > 0
-    assert "(3)/(1)" in stdout and "target" in stdout
+    assert "(3)/(1)" in stdout and "target" in stdout and "(3) with 1 writers" in stdout
 
 
 def test_bytes_written_match_the_states(smoke):

@@ -256,6 +256,37 @@ def test_parallel_tokenization_equals_serial(tok, tmp_path):
     assert one.report == two.report and one.report["skipped_total"] == len(BAD_ROWS)
 
 
+def test_parallel_tokenization_forks_before_what_starts_beside_it(tok, caplog):
+    """on_workers (where the job starts the engine's thread) runs once the workers exist,
+    before any row is tokenized; a fork beside a live thread is named (on the H200, 16
+    workers forked while vLLM started hung the job: a copied lock held forever)."""
+    import multiprocessing
+    import threading
+
+    rows = read_rows(ds_cfg(SAMPLE))
+    order = seeded_order(len(rows), 5, True, None)
+    seen = []
+    with caplog.at_level("WARNING", logger="eagle3_extract.data"):
+        two = tokenize_rows(rows, order, Renderer(tok), 300, "truncate", num_proc=2,
+                            on_workers=lambda: seen.append(len(multiprocessing.active_children())))
+        one = tokenize_rows(rows, order, Renderer(tok), 300, "truncate",
+                            on_workers=lambda: seen.append(-1))
+    assert seen == [2, -1] and two.report == one.report
+    # (conftest's /dev/shm notes thread runs beside every test: not the code's own)
+    assert "beside running threads" not in caplog.text.replace(
+        "beside running threads ['tests-shm-notes']", "")
+    stop = threading.Event()
+    other = threading.Thread(target=stop.wait, name="engine-start")
+    other.start()
+    try:
+        with caplog.at_level("WARNING", logger="eagle3_extract.data"):
+            tokenize_rows(rows, order, Renderer(tok), 300, "truncate", num_proc=2)
+    finally:
+        stop.set()
+        other.join()
+    assert "'engine-start']" in caplog.text
+
+
 def test_parallel_tokenization_under_the_jobs_sigterm_handler_is_quiet(tok, tmp_path, capfd):
     """The job raises Interrupted on SIGTERM; the pool's workers must not inherit that (a
     finished pool printed `Interrupted: 15` tracebacks), and a pool leaves no semaphore."""

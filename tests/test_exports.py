@@ -180,6 +180,7 @@ def test_verify_checks_the_final_state_against_the_models_logits(smollm2, st_run
     report = verify.verify(out, references=["hf"], samples=4)
     assert not report["ok"]
     assert any(f.startswith("logits:") for f in report["failures"]), report["failures"]
+    print("post-norm final state:", report["logits"])
 
 
 def test_draft_vocab_is_speculators_selection():

@@ -364,7 +364,8 @@ def test_an_error_after_tokenization_stops_the_engine_loading_beside_it(tmp_path
     """The engine loads while preflight tokenizes (engine/start.py). When tokenization
     ends in an error (here: no row is usable), the job prints it in one line and exits 2
     after ending the engine's processes itself: none is left when it exits (its watcher,
-    which would end them 2 s later, has nothing to do)."""
+    which would end them 2 s later, has nothing to do). The tokenizer workers fork before
+    the engine's thread starts (a fork beside it can hang a worker)."""
     from conftest import follow_tree, still_alive
 
     rows = (ASSETS / "sample" / "conversations.jsonl").read_text().splitlines() * 200
@@ -373,9 +374,9 @@ def test_an_error_after_tokenization_stops_the_engine_loading_beside_it(tmp_path
     args = [str(BIN), "engine=vllm", "dataset=local", f"dataset.path={dataset}",
             "dataset.overlong=skip", "dataset.max_length=16", "model.max_model_len=1024",
             "engine.token_budget=1024", f"output.dir={tmp_path / 'o'}"]
-    with open(tmp_path / "err", "w") as err:
+    with open(tmp_path / "err", "w") as err, open(tmp_path / "out", "w") as out:
         proc = subprocess.Popen(args, env=env(EAGLE3_TOKENIZED_CACHE="off"),
-                                stdout=subprocess.DEVNULL, stderr=err)
+                                stdout=out, stderr=err)
         seen = follow_tree(proc, lambda names: False, timeout=300)
         rc = proc.wait()
         left = [p for p in still_alive(seen) if shm_watch.MODULE not in p]
@@ -387,6 +388,8 @@ def test_an_error_after_tokenization_stops_the_engine_loading_beside_it(tmp_path
     assert "overlong" in lines[0]
     assert any("VLLM" in n or "spawn" in n for _, n in seen.values()), seen  # it was loading
     assert not left, f"outlived the job: {left}"
+    # 8,000 rows: tokenized by forked workers, forked before the engine's thread started
+    assert "beside running threads" not in (tmp_path / "out").read_text()
 
 
 @pytest.mark.engine
@@ -490,3 +493,15 @@ def test_stale_json_temps_are_removed_for_own_files_only(tmp_path):
     assert clean_json_temps(tmp_path, ["manifest.json", "token_freq.json"]) == 3
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         ".manifest.shard-00001-of-00002.json.tmp-5", ".run.json.tmp-4", "manifest.json"]
+
+
+def test_the_job_names_the_disk_when_the_writer_sets_the_pace():
+    from eagle3_extract.job import DISK_BOUND_SHARE, LoopTimes, disk_limit_note
+
+    engine_bound = LoopTimes(extract_s=30.0, submit_s=DISK_BOUND_SHARE * 30.0, drain_s=2.0)
+    assert disk_limit_note(engine_bound, 30.0, 10**9, 2) is None  # the drain is not counted
+    disk_bound = LoopTimes(extract_s=30.0, submit_s=6.0)
+    note = disk_limit_note(disk_bound, 30.0, 36 * 10**9, 2)
+    assert note.startswith("the disk was the limit: the engine waited 6.0 s (20% of")
+    assert "1.20 GB/s with output.writer_threads=2" in note and "\n" not in note
+    assert disk_limit_note(LoopTimes(), 0.0, 0, 2) is None  # nothing extracted

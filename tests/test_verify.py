@@ -186,3 +186,4 @@ def test_a_wrong_final_state_fails_the_logits_check(copy, refs):
     report = check(copy, refs)
     assert not report["ok"]
     assert failing(report, "logits: lm_head(final_norm(layer 8))"), report["failures"]
+    print("layer 7 stored as 8:", report["logits"])

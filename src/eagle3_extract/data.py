@@ -15,17 +15,20 @@ resume, sharding and file names stay stable whatever rows turn out unusable.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import random
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
 from .config import PreflightError
 from .types import Sample
+
+log = logging.getLogger(__name__)
 
 ROLES = {
     "system": "system",
@@ -833,9 +836,17 @@ def auto_num_proc(num_proc: int | None, num_rows: int) -> int:
     return min(os.cpu_count() or 1, 32) if num_rows >= 5000 else 1
 
 
+def _threads_beside() -> list[str]:
+    import threading
+
+    me = threading.current_thread()
+    return [t.name for t in threading.enumerate() if t is not me and t.is_alive()]
+
+
 def tokenize_rows(
     rows: list[Any], order: list[int], renderer: Renderer, max_length: int, overlong: str,
     num_proc: int = 1, shard: tuple[int, int] = (0, 1),
+    on_workers: Callable[[], None] | None = None,
 ) -> Tokenized:
     """Tokenize the rows of shard `shard` (sample index % count == index) in seeded
     order; skip and count what cannot be used. Only the shard's rows are rendered and
@@ -844,11 +855,19 @@ def tokenize_rows(
     With `num_proc > 1` contiguous spans of the shard's positions go to forked worker
     processes (they inherit rows and tokenizer, nothing is pickled but results);
     the result is identical to the serial one.
+
+    `on_workers` is called once the workers exist (at once when there are none), before
+    any row is tokenized: what starts a thread (the engine start) goes there. A fork
+    beside a running thread copies the locks that thread holds, held forever: a worker
+    that then needs one (a module the thread was importing) hangs, and the job with it
+    (seen on the H200: 16 workers forked while vLLM's engine started).
     """
     index, count = shard
     positions = range(index, len(order), count)
     n = len(positions)
     if num_proc <= 1 or n < 2 * num_proc:
+        if on_workers is not None:
+            on_workers()
         parts = [_tokenize_span(rows, order, positions, renderer, max_length, overlong)]
     else:
         import multiprocessing as mp
@@ -856,9 +875,15 @@ def tokenize_rows(
         global _FORKED
         step = -(-n // (num_proc * 4))
         spans = [(a, min(a + step, n)) for a in range(0, n, step)]
+        beside = _threads_beside()
+        if beside:
+            log.warning("forking %d tokenizer workers beside running threads %s: a worker "
+                        "may hang on a lock one of them held", num_proc, beside)
         _FORKED = (rows, order, positions, renderer, max_length, overlong)
         pool = mp.get_context("fork").Pool(num_proc, initializer=_forked_worker_init)
         try:
+            if on_workers is not None:
+                on_workers()
             parts = pool.map(_forked_span, spans, chunksize=1)
             pool.close()  # the workers exit on their own; nothing is killed on success
         except BaseException:
@@ -908,15 +933,17 @@ def read_nonempty(ds: Any) -> list[Any]:
 
 
 def build_dataset(ds: Any, tokenizer: Any, max_length: int,
-                  rows: list[Any] | None = None, shard: tuple[int, int] = (0, 1)) -> Tokenized:
+                  rows: list[Any] | None = None, shard: tuple[int, int] = (0, 1),
+                  on_workers: Callable[[], None] | None = None) -> Tokenized:
     """dataset config + tokenizer -> usable samples of shard `shard` (only its rows are
-    rendered and tokenized). Raises PreflightError if it has rows and none is usable."""
+    rendered and tokenized). Raises PreflightError if it has rows and none is usable.
+    `on_workers`: tokenize_rows's."""
     rows = read_nonempty(ds) if rows is None else rows
     order = seeded_order(len(rows), int(ds.seed), bool(ds.shuffle), ds.max_samples)
     mine = len(range(shard[0], len(order), shard[1]))
     procs = auto_num_proc(getattr(ds, "num_proc", None), mine)
     data = tokenize_rows(rows, order, Renderer(tokenizer), max_length, str(ds.overlong), procs,
-                         shard)
+                         shard, on_workers)
     if len(data) == 0 and mine:
         where = "" if shard[1] == 1 else f" (shard {shard[0]} of {shard[1]})"
         raise PreflightError(

@@ -234,9 +234,15 @@ def preflight(cfg: Any, start_engine: bool = False) -> Plan:
         # a rerun of a finished shard likely has nothing to do: no model load for it (the
         # file check after tokenization decides)
         before = _previous_manifest(root, (index, count), ident["run_id"])
-        if early and starts_apart(cfg) and not (before and before.status == "complete"):
-            engine_start = EngineStart(cfg, info, layer_ids)
+        early = early and starts_apart(cfg) and not (before and before.status == "complete")
+
+        def start() -> None:  # after the tokenizer workers are forked (data.tokenize_rows)
+            nonlocal engine_start
+            if early and engine_start is None:
+                engine_start = EngineStart(cfg, info, layer_ids)
+
         if from_launcher:  # the launcher's shard, tokenized once: this replica's part
+            start()
             mine = data.shard(index, count)
         else:  # only this shard's rows are rendered and tokenized, once per key
             from . import tokenized_cache as tc
@@ -244,7 +250,8 @@ def preflight(cfg: Any, start_engine: bool = False) -> Plan:
             key = tc.key_of(ident["dataset"], tc.tokenizer_identity(info.tokenizer_path),
                             ident["model"]["chat_template_sha256"], (index, count))
             mine, reused = tc.cached(key, lambda: build_dataset(
-                cfg.dataset, renderer.tok, max_len, rows, (index, count)))
+                cfg.dataset, renderer.tok, max_len, rows, (index, count), on_workers=start))
+            start()  # reused: nothing was forked
             if reused:
                 log.info("tokenized set reused (%s)", tc.cache_dir() / key)
         fmt = str(cfg.output.format)
@@ -341,6 +348,23 @@ def extraction_loop(engine: Engine, writer: Writer, batches: Iterable[Batch],
     writer.close()  # re-raises the first writer error
     times.drain_s = time.perf_counter() - t0
     return times
+
+
+# The engine blocked on the writer (every host slot unwritten) for more than this share of
+# the extraction: the disk, not the engine, set the pace.
+DISK_BOUND_SHARE = 0.05
+
+
+def disk_limit_note(loop: LoopTimes, extract_s: float, nbytes: int, threads: int) -> str | None:
+    """One line when the writer, not the engine, was the limit; None otherwise. (The final
+    drain, one batch's writes, is not counted: every run has it.)"""
+    if extract_s <= 0 or loop.submit_s <= DISK_BOUND_SHARE * extract_s:
+        return None
+    return (f"the disk was the limit: the engine waited {loop.submit_s:.1f} s "
+            f"({loop.submit_s / extract_s:.0%} of the extraction) for the writer, which wrote "
+            f"{nbytes / max(extract_s, 1e-9) / 1e9:.2f} GB/s with output.writer_threads="
+            f"{threads}; more writer threads (output.writer_threads), a faster output.dir "
+            "or output=fp8 (half the bytes) would raise the rate")
 
 
 def new_writer(plan: Plan, engine: Engine, on_sample: Callable | None = None) -> Writer:
@@ -470,6 +494,11 @@ def _run(plan: Plan, t_start: float) -> dict[str, Any]:
             loop = extraction_loop(engine, writer, iter_batches(todo, batches), tick)
             timings["extract_s"] = round(time.perf_counter() - t, 3)
             timings["engine_s"] = round(loop.engine_s, 3)
+            timings["writer_wait_s"] = round(loop.submit_s + loop.drain_s, 3)
+            note = disk_limit_note(loop, timings["extract_s"], writer.bytes,
+                                   int(cfg.output.writer_threads))
+            if note:
+                log.warning(note)
         status = "complete"
     except (KeyboardInterrupt, Interrupted) as e:
         status = "interrupted"

@@ -107,6 +107,13 @@ FP8_ARGMAX = 0.90
 # final layer, a missing or doubled norm, or a shifted row drops it far below (the real
 # SmolLM2-135M: 0.99 right, 0.18 without the norm).
 LOGITS_ARGMAX = {"float32": 0.999, "float16": 0.98, "bfloat16": 0.97, "fp8": FP8_ARGMAX}
+# A position whose argmax differs still agrees when it is a near-tie: the reference's own
+# logit for the token picked lies within TIE_BAND x the dtype's median state tolerance x
+# the RMS of the reference's logits there. Random weights with a large vocabulary give flat
+# logits: a Llama-3-8B shape (4 layers, 128k vocabulary, vLLM's CUDA kernels on the H200)
+# flipped 4.6% of positions in bf16 with its states within 1.7% of HF's. A wrong state's
+# flips lie far outside the band (tests/test_verify.py, tests/test_exports.py).
+TIE_BAND = 3.0
 # vLLM 0.16 models whose forward appends `hidden_states + residual` before layer
 # idx (read from vllm/model_executor/models/{llama,qwen2,qwen3}.py).
 VLLM_AUX_ARCHS = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
@@ -528,7 +535,7 @@ def verify(root: str | Path, overrides: list[str] | None = None, samples: int = 
             if name == "hf":
                 report["logits"] = logits_check(
                     ref.engine.model, loaded, layer_ids, info.num_layers,
-                    "fp8" if storage.fp8 else man.model["dtype"], failures)
+                    "fp8" if storage.fp8 else man.model["dtype"], failures, tols.median)
         finally:
             if owned:
                 ref.close()
@@ -541,12 +548,13 @@ def verify(root: str | Path, overrides: list[str] | None = None, samples: int = 
 
 def logits_check(model: torch.nn.Module, loaded: dict[int, tuple[Sample, torch.Tensor]],
                  layer_ids: list[int], num_layers: int, dtype: str,
-                 failures: list[str]) -> dict[str, Any]:
+                 failures: list[str], tie_rel: float = 0.0) -> dict[str, Any]:
     """Does the stored final state (id N, pre-norm) reproduce the model's own logits?
 
     What every trainer computes its targets with: lm_head(final_norm(state N)). Compared
-    with the model's logits on the same token ids: argmax agreement (>= LOGITS_ARGMAX of
-    the dtype) and the relative logit error.
+    with the model's logits on the same token ids: argmax agreement, near-ties within
+    TIE_BAND x `tie_rel` counted as agreeing (>= LOGITS_ARGMAX of the dtype), and the
+    relative logit error.
     """
     if num_layers not in layer_ids:
         return {"skipped": f"layer id {num_layers} (the final state) was not extracted"}
@@ -556,7 +564,7 @@ def logits_check(model: torch.nn.Module, loaded: dict[int, tuple[Sample, torch.T
     if norm is None or head is None:
         return {"skipped": f"{type(model).__name__} has no final norm / lm_head to apply"}
     device = next(model.parameters()).device
-    agree = total = 0
+    agree = ties = total = 0
     errs = []
     with torch.no_grad():
         for index, (sample, disk) in loaded.items():
@@ -564,16 +572,24 @@ def logits_check(model: torch.nn.Module, loaded: dict[int, tuple[Sample, torch.T
             want = model(input_ids=ids, use_cache=False).logits[0].float()
             state = disk[:, col].to(device=device, dtype=head.weight.dtype)
             got = head(norm(state)).float()
-            agree += int((got.argmax(-1) == want.argmax(-1)).sum())
+            picked, best = got.argmax(-1, keepdim=True), want.argmax(-1, keepdim=True)
+            same = (picked == best)[:, 0]
+            gap = (want.gather(-1, best) - want.gather(-1, picked))[:, 0]
+            band = TIE_BAND * tie_rel * want.pow(2).mean(-1).sqrt()
+            agree += int(same.sum())
+            ties += int((~same & (gap <= band)).sum())
             total += len(want)
             errs.append(((got - want).norm(dim=-1) / want.norm(dim=-1).clamp_min(1e-6)).mean())
-    share = agree / total if total else 0.0
+    share = (agree + ties) / total if total else 0.0
     need = LOGITS_ARGMAX.get(dtype, LOGITS_ARGMAX["bfloat16"])
     if share < need:
         failures.append(f"logits: lm_head(final_norm(layer {num_layers})) agrees with the "
-                        f"model's own next token at {share:.3f} of positions, < {need} "
-                        "(wrong final layer, a missing or doubled norm, or shifted rows)")
-    return {"argmax_agreement": round(share, 4), "required": need, "tokens": total,
+                        f"model's own next token at {share:.3f} of positions (near-ties "
+                        f"included), < {need} (wrong final layer, a missing or doubled norm, "
+                        "or shifted rows)")
+    return {"agreement": round(share, 4), "argmax_agreement": round(agree / max(total, 1), 4),
+            "near_ties": ties, "tie_band": round(TIE_BAND * tie_rel, 4), "required": need,
+            "tokens": total,
             "relative_error_mean": _r(float(torch.stack(errs).mean())) if errs else None}
 
 
@@ -626,8 +642,10 @@ def print_report(report: dict[str, Any], out=None, limit: int = 40) -> None:
     lg = report.get("logits")
     if lg:
         print("  logits of the final state: " + (f"skipped ({lg['skipped']})" if "skipped" in lg
-              else f"argmax agreement {lg['argmax_agreement']} (>= {lg['required']}), "
-                   f"relative error {lg['relative_error_mean']}"), file=out)
+              else f"agreement {lg['agreement']} (>= {lg['required']}; argmax "
+                   f"{lg['argmax_agreement']} and {lg['near_ties']} near-ties within "
+                   f"{lg['tie_band']} x the logits' RMS), relative error "
+                   f"{lg['relative_error_mean']}"), file=out)
     for kind in ("warnings", "failures"):
         print_items(kind, [str(f) for f in report[kind]], limit, out)
 
