@@ -14,11 +14,11 @@ import pytest
 from omegaconf import OmegaConf
 
 from eagle3_extract.config import ASSETS, PreflightError
+from eagle3_extract.rows import read_rows
 from eagle3_extract.data import (
     SKIP_REASONS,
     Renderer,
     build_dataset,
-    read_rows,
     seeded_order,
     to_messages,
     tokenize_rows,
@@ -334,7 +334,7 @@ def test_datasets_loader_path(tok, tmp_path, monkeypatch):
     (tmp_path / "repo" / "data").mkdir(parents=True)
     pq.write_table(pa.Table.from_pylist(rows), tmp_path / "repo" / "data" / "train-0.parquet")
     got = read_rows(ds_cfg(tmp_path / "repo", format="hub", split="train"))
-    assert got == rows
+    assert list(got) == rows
 
 
 def test_unreadable_datasets_raise_preflight_errors(tok, tmp_path):
@@ -452,7 +452,7 @@ def test_a_shard_tokenizes_only_its_own_rows_and_the_shards_add_up(tok, tmp_path
 
 
 def test_the_launchers_set_keeps_its_records_on_disk(tok, tmp_path):
-    rows = read_rows(ds_cfg(SAMPLE)) + [{"messages": []}]
+    rows = list(read_rows(ds_cfg(SAMPLE))) + [{"messages": []}]
     order = seeded_order(len(rows), 0, False, None)
     whole = tokenize_rows(rows, order, Renderer(tok), 300, "truncate")
     whole.save(tmp_path / "set", {"ident": {}})

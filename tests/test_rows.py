@@ -17,7 +17,8 @@ import pytest
 from omegaconf import OmegaConf
 
 from eagle3_extract.config import ASSETS
-from eagle3_extract.data import Renderer, build_dataset, read_rows, to_messages
+from eagle3_extract.data import Renderer, build_dataset, to_messages
+from eagle3_extract.rows import read_rows
 
 THINKING_TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>"
@@ -121,7 +122,7 @@ def test_bom_crlf_and_compressed_files_read_like_the_plain_file(tmp_path):
     lines = [json.dumps(r) for r in (GOOD, REASONING, TOOLS)]
     plain = tmp_path / "p.jsonl"
     plain.write_text("\n".join(lines) + "\n")
-    want = read_rows(ds(plain))
+    want = list(read_rows(ds(plain)))
     body = ("\r\n".join(lines) + "\r\n").encode()
     (tmp_path / "bom.jsonl").write_bytes(b"\xef\xbb\xbf" + body)
     (tmp_path / "c.jsonl.gz").write_bytes(gzip.compress(body))
@@ -131,7 +132,7 @@ def test_bom_crlf_and_compressed_files_read_like_the_plain_file(tmp_path):
     (tmp_path / "bom.json").write_bytes(b"\xef\xbb\xbf" + json.dumps(want).encode())
     (tmp_path / "c.json.gz").write_bytes(gzip.compress(json.dumps(want).encode()))
     for name in ("bom.jsonl", "c.jsonl.gz", "c.jsonl.zst", "bom.json", "c.json.gz"):
-        assert read_rows(ds(tmp_path / name)) == want, name
+        assert list(read_rows(ds(tmp_path / name))) == want, name
 
 
 def test_bytes_that_are_not_utf8_skip_only_their_row(tok, tmp_path):
@@ -147,3 +148,33 @@ def test_bytes_that_are_not_utf8_skip_only_their_row(tok, tmp_path):
     as_json.write_bytes(b"[" + json.dumps(GOOD).encode() + b"," + bad + b"]")
     data = build_dataset(ds(as_json), tok, 2047)
     assert len(data) == 1 and data.report["skipped"]["invalid_utf8"] == 1
+
+
+def test_a_plain_jsonl_file_is_read_lazily_and_exactly_as_a_compressed_one(tmp_path):
+    """JsonlRows (offsets over a mapping, parsed when read) against the reader that parses
+    everything (a .gz file): same rows, same Malformed line numbers, blank lines of every
+    kind left out, a BOM and CRLF handled, a last line without its newline kept."""
+    import pickle
+
+    from eagle3_extract.rows import JsonlRows, Malformed
+
+    row = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}
+    body = (b"\xef\xbb\xbf" + json.dumps(row).encode() + b"\r\n" + b"\n" + b"   \t\r\n"
+            + "\u00a0\u2028\n".encode() + b'{"messages": [\n' + b"\xff\xfe{}\n"
+            + b'["a list"]\n' + json.dumps({**row, "n": 2}).encode())
+    plain, packed = tmp_path / "rows.jsonl", tmp_path / "rows.jsonl.gz"
+    plain.write_bytes(body)
+    packed.write_bytes(gzip.compress(body))
+    lazy = read_rows(OmegaConf.create({"path": str(plain), "format": "auto"}))
+    full = read_rows(OmegaConf.create({"path": str(packed), "format": "auto"}))
+    assert isinstance(lazy, JsonlRows) and isinstance(full, list)
+    assert len(lazy) == len(full) == 5
+    assert [lazy[i] for i in range(len(lazy))] == full == lazy[:]
+    assert lazy[0] == row and lazy[-1] == {**row, "n": 2}
+    assert isinstance(lazy[1], Malformed) and lazy[1].line == 5
+    assert lazy[2] == Malformed(6, "not UTF-8 at byte 0", "invalid_utf8")
+    again = pickle.loads(pickle.dumps(lazy))
+    assert again[:] == full
+    empty = tmp_path / "empty.jsonl"
+    empty.write_bytes(b"\n \n")
+    assert len(JsonlRows(empty)) == 0

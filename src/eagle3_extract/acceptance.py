@@ -266,7 +266,8 @@ class Plan:
 
 def _prompts(cfg: Any, tokenizer: Any) -> list[list[int]]:
     """Each row's conversation up to its last user turn, with the generation prompt."""
-    from .data import Renderer, SkipRow, read_nonempty, seeded_order, to_messages
+    from .data import Renderer, SkipRow, seeded_order, to_messages
+    from .rows import read_nonempty
 
     renderer = Renderer(tokenizer)
     rows = read_nonempty(cfg.dataset)

@@ -30,7 +30,8 @@ from . import token_freq
 from .batching import iter_batches, plan_batches, shard_owner, todo_mask
 from .config import ConfigError, PreflightError, max_length, validate
 from .errors import Interrupted, JobError, raise_interrupted
-from .data import Renderer, Tokenized, build_dataset, load_tokenizer, read_nonempty
+from .data import Renderer, Tokenized, build_dataset, load_tokenizer
+from .rows import read_nonempty
 from .lock import ShardLock
 from .layout import (
     TOKEN_FREQ_JSON,

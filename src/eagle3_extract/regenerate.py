@@ -29,6 +29,7 @@ import sys
 import threading
 import time
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -41,12 +42,12 @@ from .data import (
     REGENERATED_TURNS,
     Renderer,
     load_tokenizer,
-    read_nonempty,
     seeded_order,
 )
 from .errors import Interrupted, raise_interrupted
 from .generation import OUTCOMES, Regenerator, build_llm, close_llm, make_reasoning_parser
 from .lock import ShardLock
+from .rows import read_nonempty
 from .regenerated import CONVERSATIONS, KIND, PARTS, vocab_sha256  # noqa: F401 - re-exported
 from .layout import MANIFEST_JSON, RUN_JSON, atomic_write
 from .manifest import (
@@ -117,7 +118,7 @@ class Plan:
     root: Path
     info: Any
     tokenizer: Any
-    rows: list[Any]
+    rows: Sequence[Any]  # rows.py: a plain .jsonl file's are parsed when read
     order: list[int]
     ident: dict[str, Any]
     todo: list[int]  # chunks to generate (this shard)

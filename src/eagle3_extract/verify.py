@@ -390,7 +390,8 @@ def dataset_check(cfg: Any, info: Any, samples: dict[int, Sample]) -> dict[str, 
     """
     try:
         from .config import max_length
-        from .data import Renderer, load_tokenizer, read_nonempty, seeded_order, tokenize_rows
+        from .data import Renderer, load_tokenizer, seeded_order, tokenize_rows
+        from .rows import read_nonempty
 
         ds = cfg.dataset
         rows = read_nonempty(ds)
