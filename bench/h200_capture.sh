@@ -67,10 +67,13 @@ extract_verify() {  # extract_verify DTYPE: the job, then eagle3-verify on its o
   echo "== verify $dtype rc=$? in $((SECONDS - t)) s"; tail -30 "$OUT/verify-$dtype.log"
   cp "$out/verify_report.json" "$OUT/verify-$dtype.json" 2> /dev/null
 }
-extract_verify model
+# STEPS: which parts run, in this order (BENCH_DATA, BENCH_REPEATS size the bench)
+STEPS=${STEPS:-"bf16 overlap bench fp8"}
+want() { [[ " $STEPS " == *" $1 "* ]]; }
+want bf16 && extract_verify model
 
 # issue 27: the engine loading beside tokenization vs after it (bench/overlap.py), tiny model
-if (($(left) > 150)); then
+if want overlap && (($(left) > 150)); then
   t=$SECONDS
   (cd bench && timeout $(($(left) - 60)) python3 overlap.py --rows 20000 --repeats 1 --job-timeout 150 \
     --out /tmp/overlap "+engine.vllm_args.attention_config={backend: TRITON_ATTN}" \
@@ -80,13 +83,14 @@ if (($(left) > 150)); then
 fi
 
 # the full 8B shape: the job's phases against plain prefill, kernels on
-if (($(left) < 150)); then echo "== bench skipped: $(left) s left"; else
+if ! want bench; then :; elif (($(left) < 150)); then echo "== bench skipped: $(left) s left"; else
 if (($(df --output=avail -B1G /dev/shm | tail -1) < 8)); then export EAGLE3_SHM_DIR=/tmp; fi
 dir=/var/tmp/eagle3-bench
 [[ $(findmnt -no FSTYPE -T /var/tmp) == tmpfs ]] && dir=$PWD/.bench-out
 t=$SECONDS
 timeout $(($(left) - 10)) python3 bench/run.py --model bench/configs/llama3_8b.json \
-  --load-format dummy --synthetic 64x2048 --token-budget 32768 --max-num-seqs 16 --repeats 2 \
+  --load-format dummy --synthetic "${BENCH_DATA:-64x2048}" --token-budget 32768 --max-num-seqs 16 \
+  --repeats "${BENCH_REPEATS:-2}" \
   --gpu-memory-utilization 0.6 --out-dir "$dir" --engine vllm --executor mp \
   --writer-threads 2 --more-writer-threads 4,8 \
   --vllm-args '{"attention_config": {"backend": "TRITON_ATTN"}, "compilation_config": {"custom_ops": ["all"]}}' \
@@ -95,5 +99,5 @@ echo "== bench 8b kernels rc=$? in $((SECONDS - t)) s"
 grep -v '^(Worker' "$OUT/bench-8b-kernels.log" | grep -v Gloo | tail -16
 fi
 
-extract_verify fp8
+want fp8 && extract_verify fp8
 echo "== total $((SECONDS - t0)) s"
