@@ -99,3 +99,39 @@ def test_a_sweep_of_four_jobs_over_layers_tokenizes_once(tmp_path):
     logs = list((tmp_path / "out").rglob("extract.log"))
     assert len(logs) == 4
     assert sum("tokenized set reused" in p.read_text() for p in logs) == 3
+
+
+def test_hub_datasets_are_known_by_revision_and_local_folders_by_content(tmp_path, monkeypatch):
+    """A dataset updated upstream is another dataset (its tokenized set and run are new):
+    a hub id by the commit the hub cache resolved, a local dataset folder by its files."""
+    from omegaconf import OmegaConf
+
+    from eagle3_extract.manifest import dataset_identity
+
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path / "hub"))
+
+    def ident(path: str) -> dict:
+        ds = OmegaConf.create({"path": path, "format": "hub", "hub_config": None,
+                               "data_files": None, "split": "train", "max_samples": None,
+                               "seed": 0, "shuffle": True, "overlong": "truncate"})
+        return dataset_identity(ds, 2047)["source"]
+
+    assert ident("org/chats")["revision"] is None  # nothing resolved yet
+    refs = tmp_path / "hub" / "datasets--org--chats" / "refs"
+    refs.mkdir(parents=True)
+    (refs / "main").write_text("a" * 40)
+    first = ident("org/chats")
+    assert first["revision"] == "a" * 40
+    (refs / "main").write_text("b" * 40 + "\n")
+    assert ident("org/chats")["revision"] == "b" * 40
+    assert ident("org/other")["revision"] is None
+
+    folder = tmp_path / "repo"
+    (folder / "data").mkdir(parents=True)
+    (folder / "data" / "train-0.parquet").write_bytes(b"rows v1")
+    v1 = ident(str(folder))
+    (folder / ".git").mkdir()
+    (folder / ".git" / "index").write_bytes(b"not data")
+    assert ident(str(folder)) == v1  # what is not data does not count
+    (folder / "data" / "train-0.parquet").write_bytes(b"rows v2")
+    assert ident(str(folder))["tree_sha256"] != v1["tree_sha256"]

@@ -15,6 +15,7 @@ import re
 import socket
 import sys
 import threading
+from pathlib import Path
 from typing import Callable
 from urllib.parse import urlparse
 
@@ -117,3 +118,17 @@ def dataset_cached(repo: str) -> bool:
         return os.path.isdir(os.path.join(str(HF_DATASETS_CACHE), repo.replace("/", "___")))
     except Exception:  # noqa: BLE001
         return False
+
+
+def dataset_revision(repo: str, revision: str = "main") -> str | None:
+    """The commit of a hub dataset's `revision` as the hub cache last resolved it
+    (refs/<revision>, written by every download that reached the hub), or None when the
+    cache has no such ref. Read offline: what the job loads is that snapshot."""
+    try:
+        from huggingface_hub.constants import HF_HUB_CACHE
+
+        ref = Path(HF_HUB_CACHE) / ("datasets--" + repo.replace("/", "--")) / "refs" / revision
+        return ref.read_text().strip() or None
+    except (OSError, ValueError):
+        return None
+

@@ -135,8 +135,23 @@ def file_sha256(path: str | Path, chunk: int = 1 << 22) -> str:
     return h.hexdigest()
 
 
+def tree_sha256(root: Path) -> str:
+    """Every file under `root` (a local dataset folder) by relative path and content."""
+    h = hashlib.sha256()
+    for path in sorted(p for p in root.rglob("*") if p.is_file()):
+        rel = path.relative_to(root).as_posix()
+        if rel.startswith(".") or "/." in rel:  # .git, .cache: not the data
+            continue
+        h.update(f"{rel}\0{file_sha256(path)}\0".encode())
+    return h.hexdigest()
+
+
 def dataset_identity(ds: Any, max_length: int) -> dict[str, Any]:
-    """What selects and shapes the samples. Local files by content, not by path."""
+    """What selects and shapes the samples. Local files and folders by content, hub
+    datasets by the commit the hub cache resolved (a dataset updated upstream is another
+    dataset: its tokenized set and its run are new)."""
+    from .hub import dataset_revision
+
     path = Path(str(ds.path)).expanduser()
     source: dict[str, Any]
     if ds.format != "hub" and path.is_file():
@@ -144,6 +159,10 @@ def dataset_identity(ds: Any, max_length: int) -> dict[str, Any]:
     else:
         source = {"hub": str(ds.path), "hub_config": ds.hub_config,
                   "data_files": ds.data_files, "split": ds.split}
+        if path.is_dir():
+            source["tree_sha256"] = tree_sha256(path)
+        else:
+            source["revision"] = dataset_revision(str(ds.path))
     return {
         "source": source,
         "max_samples": ds.max_samples,
