@@ -67,3 +67,82 @@ def test_install_moves_the_probe_aside_once(tmp_path):
         kit.install(tmp_path)
         assert (tmp_path / "vllm" / "_C_probe.py").read_text() == "# the vLLM kit's probe stub\n"
         assert (tmp_path / "vllm" / "_C.py").read_text() == (KIT / "vllm_C.py").read_text()
+
+
+def load_fa2():
+    spec = importlib.util.spec_from_file_location("kit_vllm_fa2_C", KIT / "vllm_fa2_C.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def naive(q, k, v, scale, causal):
+    """One sequence, one head at a time, in float64: the definition."""
+    lq, h, _ = q.shape
+    lk, hk = k.shape[:2]
+    out = torch.zeros(lq, h, v.shape[-1], dtype=torch.float64)
+    lse = torch.full((h, lq), float("-inf"), dtype=torch.float64)
+    for head in range(h):
+        kh = head // (h // hk)
+        s = q[:, head].double() @ k[:, kh].double().T * scale
+        if causal:
+            s = s.masked_fill(torch.arange(lk)[None] > torch.arange(lq)[:, None] + lk - lq,
+                              float("-inf"))
+        for i in range(lq):
+            if torch.isinf(s[i]).all():
+                continue
+            lse[head, i] = torch.logsumexp(s[i], 0)
+            out[i, head] = torch.softmax(s[i], 0) @ v[:, kh].double()
+    return out, lse
+
+
+def test_the_flash_attention_varlen_stand_in_is_attention(monkeypatch):
+    """MLA prefill's `torch.ops._vllm_fa2_C.varlen_fwd`, called as vllm-flash-attn's
+    interface calls it: packed sequences, causal aligned bottom right, grouped heads,
+    a value head narrower than the query's (MLA: 192 / 128), `out` written in place, the
+    log-sum-exp per head and token; what it cannot do is refused."""
+    fa = load_fa2()
+    fa.register()  # a second registration is a no-op
+    torch.manual_seed(0)
+    lens_q, lens_k = [5, 1, 9], [5, 3, 9]  # the middle sequence: 1 query over 3 keys
+    cq = torch.tensor([0, *torch.tensor(lens_q).cumsum(0).tolist()], dtype=torch.int32)
+    ck = torch.tensor([0, *torch.tensor(lens_k).cumsum(0).tolist()], dtype=torch.int32)
+    h, hk, d, dv = 8, 2, 24, 16
+    q = torch.randn(int(cq[-1]), h, d, dtype=torch.bfloat16)
+    k = torch.randn(int(ck[-1]), hk, d, dtype=torch.bfloat16)
+    v = torch.randn(int(ck[-1]), hk, dv, dtype=torch.bfloat16)
+    out = torch.zeros(int(cq[-1]), h, dv, dtype=torch.bfloat16)
+    scale = d ** -0.5
+    got, lse = torch.ops._vllm_fa2_C.varlen_fwd(
+        q, k, v, out, cq, ck, None, None, None, None, max(lens_q), max(lens_k), 0.0, scale,
+        False, True, -1, -1, 0.0, False, 0, None)
+    assert got.data_ptr() == out.data_ptr() and lse.shape == (h, int(cq[-1]))
+    for s in range(3):
+        want, want_lse = naive(q[cq[s]:cq[s + 1]], k[ck[s]:ck[s + 1]], v[ck[s]:ck[s + 1]],
+                               scale, causal=True)
+        part = got[cq[s]:cq[s + 1]].double()
+        assert ((part - want).norm() / want.norm()).item() < 8e-3, s  # bf16 output
+        assert torch.allclose(lse[:, cq[s]:cq[s + 1]].double(), want_lse, atol=1e-4), s
+    full, _ = torch.ops._vllm_fa2_C.varlen_fwd(
+        q, k, v, None, cq, ck, None, None, None, None, 9, 9, 0.0, scale, False, False, -1, -1,
+        0.0, False, 0, None)
+    want, _ = naive(q[:5], k[:5], v[:5], scale, causal=False)
+    assert ((full[:5].double() - want).norm() / want.norm()).item() < 8e-3
+    with pytest.raises(NotImplementedError, match="block_table"):
+        torch.ops._vllm_fa2_C.varlen_fwd(
+            q, k, v, None, cq, ck, None, None, torch.zeros(3, 1, dtype=torch.int32), None,
+            9, 9, 0.0, scale, False, True, -1, -1, 0.0, False, 0, None)
+
+
+def test_install_puts_the_stand_in_where_vllm_flash_attn_imports_it(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(KIT))
+    import kit
+
+    site = tmp_path / "site"
+    (site / "vllm" / "vllm_flash_attn").mkdir(parents=True)
+    (site / "vllm" / "_C.py").write_text("# the vLLM kit's probe stub\n")
+    kit.install(site)
+    kit.install(site)  # idempotent: the probe is moved once
+    assert (site / "vllm" / "_C_probe.py").read_text() == "# the vLLM kit's probe stub\n"
+    assert (site / "vllm" / "vllm_flash_attn" / "_vllm_fa2_C.py").read_bytes() == (
+        KIT / "vllm_fa2_C.py").read_bytes()

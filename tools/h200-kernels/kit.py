@@ -34,12 +34,17 @@ def built_ops(record: dict) -> dict[str, list[str]]:
 
 def install(site: str | Path) -> Path:
     """Make `SITE/vllm/_C.py` (the vLLM kit's probe stub) dispatch to the kit's kernels:
-    the stub moves to `vllm/_C_probe.py` and vllm_C.py takes its place. Idempotent."""
+    the stub moves to `vllm/_C_probe.py` and vllm_C.py takes its place; and give
+    vllm-flash-attn's interface its FA2 op (`vllm_fa2_C.py`, the varlen stand-in MLA
+    prefill calls). Idempotent."""
     vllm_dir = Path(site) / "vllm"
     probe, target = vllm_dir / "_C_probe.py", vllm_dir / "_C.py"
     if not probe.exists():
         target.replace(probe)
     shutil.copyfile(Path(__file__).with_name("vllm_C.py"), target)
+    fa_dir = vllm_dir / "vllm_flash_attn"
+    if fa_dir.is_dir():
+        shutil.copyfile(Path(__file__).with_name("vllm_fa2_C.py"), fa_dir / "_vllm_fa2_C.py")
     return target
 
 
