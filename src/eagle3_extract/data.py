@@ -461,7 +461,7 @@ class Tokenized:
 
     indices: np.ndarray  # int64 [n]: sample index (position in the seeded order)
     offsets: np.ndarray  # int64 [n+1]: token range of sample j is offsets[j]:offsets[j+1]
-    ids: np.ndarray  # int64 [total]
+    ids: np.ndarray  # int32 [total] (token ids; 4 bytes a token in memory and in the cache)
     mask: np.ndarray  # uint8 [total]
     truncated: np.ndarray  # bool [n]
     report: dict[str, Any] = field(default_factory=dict)
@@ -530,17 +530,19 @@ class Tokenized:
     def select(self, keep: np.ndarray) -> "Tokenized":
         """The samples at positions `keep` (a boolean mask over usable samples); the
         report and the skipped records stay as they are (`shard` recounts them)."""
+        keep = np.asarray(keep, dtype=bool)
+        if keep.all():  # a fresh run's to-do set: the same arrays, no copy
+            return Tokenized(
+                self.indices, self.offsets, self.ids, self.mask, self.truncated, self.report,
+                self.flags, self.regen, self.skip_index, self.skip_code, self.skip_row,
+            )
         pos = np.flatnonzero(keep)
         lengths = self.lengths[pos]
         offsets = np.zeros(len(pos) + 1, dtype=np.int64)
         np.cumsum(lengths, out=offsets[1:])
-        take = (
-            np.concatenate([np.arange(self.offsets[j], self.offsets[j + 1]) for j in pos])
-            if len(pos)
-            else np.zeros(0, dtype=np.int64)
-        )
+        tokens = np.repeat(keep, self.lengths)  # 1 byte a token, not an index array
         return Tokenized(
-            self.indices[pos], offsets, self.ids[take], self.mask[take],
+            self.indices[pos], offsets, self.ids[tokens], self.mask[tokens],
             self.truncated[pos], self.report, self.flags[pos], self.regen[pos],
             self.skip_index, self.skip_code, self.skip_row,
         )
@@ -617,13 +619,13 @@ def _tokenize_span(rows: list[Any], order: list[int], positions: Any,
         indices.append(index)
         lengths.append(len(ids))
         truncated.append(cut)
-        id_chunks.append(np.asarray(ids, dtype=np.int64))
+        id_chunks.append(np.asarray(ids, dtype=np.int32))
         mask_chunks.append(np.asarray(mask, dtype=np.uint8))
     return {
         "indices": np.asarray(indices, dtype=np.int64),
         "lengths": np.asarray(lengths, dtype=np.int64),
         "truncated": np.asarray(truncated, dtype=bool),
-        "ids": np.concatenate(id_chunks) if id_chunks else np.zeros(0, dtype=np.int64),
+        "ids": np.concatenate(id_chunks) if id_chunks else np.zeros(0, dtype=np.int32),
         "mask": np.concatenate(mask_chunks) if mask_chunks else np.zeros(0, dtype=np.uint8),
         "flags": np.asarray(flags, dtype=np.uint8),
         "regen": np.asarray(regen, dtype=np.int32).reshape(-1, len(REGENERATED_TURNS)),
