@@ -1,6 +1,7 @@
-"""eagle3-validate on a real extraction (tiny Llama, vLLM 0.16 CPU build) and on
-copies corrupted the ways that silently ruin a drafter: each must fail, naming
-the file and the reason."""
+"""eagle3-validate on a real extraction (tiny Llama; the HF engine: validate reads files,
+which engine wrote them is not what it checks, and the vLLM-written case is
+test_verify.py's) and on copies corrupted the ways that silently ruin a drafter: each
+must fail, naming the file and the reason."""
 
 from __future__ import annotations
 
@@ -20,8 +21,6 @@ from eagle3_extract import validate
 from eagle3_extract.layout import CHECKSUM_KEY
 from eagle3_extract.types import Batch, Sample
 from eagle3_extract.writer import save_safetensors
-
-pytestmark = pytest.mark.engine
 
 OVERRIDES = ["dataset.max_samples=6", "model.max_model_len=1024", "engine.token_budget=2048",
              "engine.distributed_executor_backend=uni"]
@@ -58,7 +57,7 @@ def sample_file(root: Path, index: int, ext: str = ".safetensors") -> Path:
 @pytest.fixture(scope="module")
 def clean(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("validate") / "out"
-    m = extract_tiny(root)
+    m = extract_tiny(root, "engine=hf")
     assert m["status"] == "complete" and m["layer_ids"] == [2, 4, 5, 8]
     return root
 
@@ -337,7 +336,7 @@ def test_symlinks_in_the_output_dir_are_damage_and_resume_replaces_them(copy, tm
     with pytest.raises(export.ExportError, match="symbolic links"):
         export.export(copy, tmp_path / "export")
 
-    m = extract_tiny(copy)
+    m = extract_tiny(copy, "engine=hf")
     assert m["status"] == "complete" and m["counts"]["redone_damaged"] == 1
     assert not sample_file(copy, 3).is_symlink() and sample_file(copy, 3).is_file()
     assert not sub.exists() and not sub.is_symlink()
