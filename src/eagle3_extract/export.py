@@ -30,7 +30,7 @@ from .layout import (EXPORT_JSON, SCALES_KEY, STATES_KEY, VOCAB_DIR, Storage, li
                      remove_temps, temp_path, verified_files)
 from .manifest import write_json_atomic
 from .quant import states_tensor
-from .validate import complete_run, load_sample
+from .run_dir import complete_run, load_sample
 from .writer import save_safetensors
 
 FORMAT = "speculators-0.9"

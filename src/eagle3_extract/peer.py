@@ -73,7 +73,7 @@ def _first_file(root: Path, stop: threading.Event, seen: list[float]) -> None:
 
 def run_ours(out: Path, overrides: list[str], threads: int) -> Side:
     """Our job as a user runs it (eagle3-extract), timed from its launch."""
-    from .validate import complete_run
+    from .run_dir import complete_run
 
     cmd = [str(Path(sys.executable).with_name("eagle3-extract")), f"output.dir={out}",
            *overrides]
@@ -107,7 +107,7 @@ def our_samples(root: Path) -> dict[int, dict[str, Any]]:
     """index -> our file's tensors (input_ids, hidden_states [T, L, H] in the model dtype)."""
     from .layout import sample_files
     from .quant import states_of
-    from .validate import load_sample
+    from .run_dir import load_sample
 
     out = {}
     for index, entry in sorted(sample_files(root, "safetensors").items()):

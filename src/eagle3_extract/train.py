@@ -45,7 +45,7 @@ from .lock import ShardLock
 from .manifest import (check_run_json, file_sha256, with_run_id, write_json_atomic,
                        write_run_json)
 from .token_freq import draft_vocab
-from .validate import complete_run
+from .run_dir import complete_run
 
 log = logging.getLogger("eagle3_extract")
 

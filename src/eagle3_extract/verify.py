@@ -48,13 +48,12 @@ from .manifest import Manifest
 from .model import read_config
 from .quant import states_of
 from .types import Batch, Sample
+from .run_dir import load_manifests, load_sample
 from .validate import (
     check_counts,
     ChecksumTally,
     check_file,
     expectation,
-    load_manifests,
-    load_sample,
     print_items,
     scan_tree,
     write_report,
