@@ -85,15 +85,20 @@ def _read_jsonl(path: Path) -> Sequence[Any]:
     (JsonlRows)."""
     if split_compression(str(path))[1] is None:
         return JsonlRows(path)
-    rows: list[Any] = []
     with _open_bytes(path) as f:
-        for lineno, raw in enumerate(f, 1):
-            if lineno == 1 and raw.startswith(BOM):
-                raw = raw[len(BOM):]
-            if _blank(raw):
-                continue
-            rows.append(_parse_line(raw, lineno))
-    return rows
+        return [_parse_line(raw, lineno) for lineno, _, _, raw in _row_lines(f)]
+
+
+def _row_lines(f: Any) -> Any:
+    """(line number, start, end, bytes) of each line that is a row: a leading BOM left
+    out, blank lines skipped; start and end are byte offsets in the stream."""
+    pos = 0
+    for lineno, raw in enumerate(f, 1):
+        start, pos = pos, pos + len(raw)
+        if lineno == 1 and raw.startswith(BOM):
+            start, raw = start + len(BOM), raw[len(BOM):]
+        if not _blank(raw):
+            yield lineno, start, pos, raw
 
 
 def _blank(raw: bytes) -> bool:
@@ -132,16 +137,10 @@ class JsonlRows(Sequence):
     def __init__(self, path: Path):
         self.path = Path(path)
         starts, ends, lines = array("q"), array("q"), array("q")
-        pos = 0
         with open(self.path, "rb") as f:
-            for lineno, raw in enumerate(f, 1):
-                start, pos = pos, pos + len(raw)
-                if lineno == 1 and raw.startswith(BOM):
-                    start, raw = start + len(BOM), raw[len(BOM):]
-                if _blank(raw):
-                    continue
+            for lineno, start, end, _ in _row_lines(f):
                 starts.append(start)
-                ends.append(pos)
+                ends.append(end)
                 lines.append(lineno)
         self._starts = np.frombuffer(starts, dtype=np.int64)
         self._ends = np.frombuffer(ends, dtype=np.int64)
