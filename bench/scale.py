@@ -25,6 +25,7 @@ import random
 import re
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -63,8 +64,6 @@ def run_job(args: list[str]) -> dict:
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
            "EAGLE3_TOKENIZED_CACHE": "off"}
     t0 = time.perf_counter()
-    import tempfile
-
     with tempfile.TemporaryFile("w+") as err:
         proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=err, env=env, text=True)
         out = proc.stdout.read()
