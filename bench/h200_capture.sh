@@ -11,24 +11,49 @@
 #       on the same engine (bench/run.py), kernels on;
 #   (d) what the capture holds on the card (the engine's capture_device_bytes, checked
 #       against engine/memory.py's plan at start) and the CUDA context a process holds.
-# Two calls back to back (the second needs the first's /tmp/site):
-#   A: carry .gpu-bundle/{whlA,install-on-device.sh}                      -> ... A
-#   B: carry .gpu-bundle/{whlB,vllm016-py.zip,whlC,install-on-device.sh} .kernels/kit -> ... B
+#   (b), (c) DeepseekV3 with Kimi-K2.5's dimensions, MLA on: bf16, then its routed experts
+#       in compressed-tensors W4A16 through vLLM's Marlin MoE (STEPS="marlin kimi kimi-w4a16").
+# Two calls back to back (the second needs the first's /tmp/site and /tmp/kit):
+#   A: carry .gpu-bundle/{whlA,install-on-device.sh} [.kernels/vllm016-csrc.tar.gz] -> ... A
+#      with the csrc pack (tools/h200-kernels/build.py pack) it also builds the kernel kit
+#      into /tmp/kit and $OUT/kit (keep that as .kernels/kit) and runs its op tests
+#   B: carry .gpu-bundle/{whlB,vllm016-py.zip,whlC,install-on-device.sh} [.kernels/kit] -> ... B
+#      (the kit from /tmp/kit when step A built one on this machine, else .kernels/kit)
 set -uo pipefail
 step=${1:?A|B}
 OUT=${OUT:-/tmp/capture-results}
 mkdir -p "$OUT"
 if [[ $step == A ]]; then
-  bash .gpu-bundle/install-on-device.sh .gpu-bundle A
-  exit $?
+  t0=$SECONDS
+  bash .gpu-bundle/install-on-device.sh .gpu-bundle A || exit 3
+  echo "== step A installed in $((SECONDS - t0)) s"
+  if [[ -f .kernels/vllm016-csrc.tar.gz ]]; then
+    python3 tools/h200-kernels/build.py .kernels/vllm016-csrc.tar.gz "$OUT/kit" \
+      > "$OUT/kit-build.log" 2>&1
+    rc=$?; echo "== kit build rc=$rc in $((SECONDS - t0)) s"; tail -5 "$OUT/kit-build.log"
+    ((rc == 0)) || { grep -m5 -i -B2 -A8 "error" "$OUT/kit-build.log" | head -60; exit 4; }
+    rm -rf /tmp/kit && cp -r "$OUT/kit" /tmp/kit
+    python3 tools/h200-kernels/test_ops.py /tmp/kit "$OUT/kit/ops.json" | tail -25
+    # a file over 16 MiB does not come back from the device: gzip it (gunzip it here)
+    so=$OUT/kit/vllm016_kit.so
+    if (($(stat -c %s "$so") > 15 * 1024 * 1024)); then gzip -f "$so"; fi
+    ls -la "$OUT/kit"
+  fi
+  exit 0
 fi
 t0=$SECONDS
+# every result of step B goes into one archive ($OUT/capture-B.tar.gz): the device
+# returns at most 8 files a call
+RESULTS=$OUT; OUT=/tmp/capture-B; rm -rf "$OUT"; mkdir -p "$OUT"
+trap 'tar czf "$RESULTS/capture-B.tar.gz" -C "$OUT" . 2> /dev/null' EXIT
+KIT=$PWD/.kernels/kit
+[[ -f /tmp/kit/build.json ]] && KIT=/tmp/kit
 bash .gpu-bundle/install-on-device.sh .gpu-bundle B || exit 3
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
   .gpu-bundle/whlC/*.whl || exit 3
 python3 tools/h200-kernels/kit.py install /tmp/site || exit 3
 export PYTHONPATH=/tmp/site:$PWD/src:$PWD/tools/h200-kernels VLLM_WORKER_MULTIPROC_METHOD=spawn \
-  PYTHONUNBUFFERED=1 EAGLE3_KERNEL_KIT=$PWD/.kernels/kit EAGLE3_CACHE=/tmp/eagle3-cache
+  PYTHONUNBUFFERED=1 EAGLE3_KERNEL_KIT=$KIT EAGLE3_CACHE=/tmp/eagle3-cache
 echo "== installed in $((SECONDS - t0)) s"
 
 # (d) the CUDA context one process holds before vLLM's first snapshot
@@ -63,12 +88,12 @@ extract_verify() {  # extract_verify DTYPE [TAG OVERRIDE...]: the job, then eagl
   cp "$out/manifest.json" "$OUT/manifest-$tag.json" 2> /dev/null
   t=$SECONDS
   timeout $(($(left) - 10)) python3 -m eagle3_extract.verify "$out" --samples 8 \
-    > "$OUT/verify-$tag.log" 2>&1
+    ${VERIFY_ARGS:-} > "$OUT/verify-$tag.log" 2>&1
   echo "== verify $tag rc=$? in $((SECONDS - t)) s"; tail -30 "$OUT/verify-$tag.log"
   cp "$out/verify_report.json" "$OUT/verify-$tag.json" 2> /dev/null
 }
 # STEPS: which parts run, in this order (BENCH_DATA, BENCH_REPEATS size the bench)
-STEPS=${STEPS:-"bf16 overlap bench fp8 kimi"}
+STEPS=${STEPS:-"bf16 overlap bench fp8 marlin kimi kimi-w4a16"}
 want() { [[ " $STEPS " == *" $1 "* ]]; }
 want bf16 && extract_verify model
 
@@ -105,6 +130,26 @@ want fp8 && extract_verify fp8
 # 4 layers, the first dense, 16 routed experts of which 8 a token plus the shared one), MLA
 # on (TRITON_MLA: Triton decode, prefill through the kit's varlen stand-in), MoE routing and
 # alignment on vLLM's own _moe_C kernels, seeded random weights (10.8 GB, built there)
-want kimi && extract_verify model kimi model.tiny_config=bench/configs/kimi_k25_l4.json \
-  model.gpu_memory_utilization=0.6 "+engine.vllm_args.attention_config={backend: TRITON_MLA}"
+kimi=(model.gpu_memory_utilization=0.6 "+engine.vllm_args.attention_config={backend: TRITON_MLA}")
+KIMI_BF16=bench/configs/kimi_k25_l4.json
+want kimi && VERIFY_ARGS="--reference hf" extract_verify model kimi \
+  model.tiny_config=$KIMI_BF16 "${kimi[@]}"
+
+# (c) the Marlin MoE op inside vLLM's Python against a torch MoE on the dequantized weights
+if want marlin; then
+  PYTHONPATH=$PYTHONPATH:$PWD/bench timeout 120 python3 tools/h200-kernels/test_marlin.py \
+    "$OUT/marlin.json" 2>&1 | grep -v "^INFO" | tail -6
+fi
+# (c) the same model, its routed experts in compressed-tensors W4A16 (bench/w4a16.py: groups
+# of 32, symmetric, packed, as Kimi-K2.5 ships them), through vLLM 0.16's WNA16 MoE method
+# (Marlin on this GPU); verified against HF transformers on the dequantized weights
+if want kimi-w4a16 && (($(left) > 240)); then
+  t=$SECONDS
+  src=$(python3 -c "from eagle3_extract.tiny import build_tiny_model as b; print(b('$KIMI_BF16'))")
+  python3 bench/w4a16.py "$src" /tmp/kimi-w4a16 /tmp/kimi-w4a16-ref > "$OUT/w4a16.json" \
+    && echo "== w4a16 checkpoint in $((SECONDS - t)) s: $(cat "$OUT/w4a16.json")"
+  VERIFY_ARGS="--reference hf model.path=/tmp/kimi-w4a16-ref" extract_verify model kimi-w4a16 \
+    model.path=/tmp/kimi-w4a16 "${kimi[@]}"
+  grep -h "WNA16\|Marlin" "$OUT/extract-kimi-w4a16.log" | head -3
+elif want kimi-w4a16; then echo "== kimi-w4a16 skipped: $(left) s left"; fi
 echo "== total $((SECONDS - t0)) s"

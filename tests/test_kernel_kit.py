@@ -146,3 +146,97 @@ def test_install_puts_the_stand_in_where_vllm_flash_attn_imports_it(tmp_path, mo
     assert (site / "vllm" / "_C_probe.py").read_text() == "# the vLLM kit's probe stub\n"
     assert (site / "vllm" / "vllm_flash_attn" / "_vllm_fa2_C.py").read_bytes() == (
         KIT / "vllm_fa2_C.py").read_bytes()
+
+
+SDIST_URL = ("https://files.pythonhosted.org/packages/e6/fa/ab31c88afd21b69a46c3cc80d4017a2d"
+             "5045a30cc4862dba6eae6eca7865/vllm-0.16.0.tar.gz")
+
+
+@pytest.fixture(scope="module")
+def build_mod():
+    sys.path.insert(0, str(KIT))
+    try:
+        import bindings
+        import build
+    finally:
+        sys.path.remove(str(KIT))
+    return build, bindings
+
+
+@pytest.fixture(scope="module")
+def sdist(build_mod):
+    """vLLM 0.16.0's sdist: the checkout's .kernels/ copy, else fetched from PyPI once."""
+    import hashlib
+    import urllib.request
+
+    from eagle3_extract.tiny import cache_root
+
+    build, _ = build_mod
+    local = KIT.parents[1] / ".kernels" / build.SDIST_NAME
+    if local.is_file():
+        return local
+    path = cache_root() / build.SDIST_NAME
+    if not path.is_file():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".part")
+        with urllib.request.urlopen(SDIST_URL, timeout=120) as r, open(tmp, "wb") as f:
+            f.write(r.read())
+        if hashlib.sha256(tmp.read_bytes()).hexdigest() != build.SDIST_SHA256:
+            tmp.unlink()
+            pytest.fail(f"{SDIST_URL}: not the sha256 build.py pins")
+        tmp.replace(path)
+    return path
+
+
+def test_the_csrc_pack_is_the_sdists_and_a_changed_file_is_refused(build_mod, sdist, tmp_path):
+    import io
+    import tarfile
+
+    build, _ = build_mod
+    pack = tmp_path / "csrc.tar.gz"
+    rec = build.pack(sdist, pack)
+    assert rec["sdist_sha256"] == build.SDIST_SHA256 and rec["bytes"] < 2_000_000
+    csrc, sha = build.extract_csrc(pack, tmp_path / "a")
+    assert sha == build.SDIST_SHA256 and (csrc / "moe" / "marlin_moe_wna16" / "ops.cu").is_file()
+    # one byte changed inside the pack: the build refuses it
+    bad = tmp_path / "bad.tar.gz"
+    with tarfile.open(pack) as src, tarfile.open(bad, "w:gz") as dst:
+        for m in src.getmembers():
+            data = src.extractfile(m).read() if m.isfile() else None
+            if m.name.endswith("csrc/layernorm_kernels.cu"):
+                data = data.replace(b"rsqrtf", b"sqrtf", 1)
+                m.size = len(data)
+            dst.addfile(m, None if data is None else io.BytesIO(data))
+    with pytest.raises(SystemExit, match="differs from what pack recorded"):
+        build.extract_csrc(bad, tmp_path / "b")
+
+
+def test_marlin_moe_is_generated_for_kimis_w4a16_only_and_bound_where_vllm_calls_it(
+        build_mod, sdist, tmp_path):
+    import re
+
+    build, bindings = build_mod
+    csrc, _ = build.extract_csrc(sdist, tmp_path)
+    parts = build.generate_marlin_moe(csrc)
+    insts = [line for p in parts for line in p.read_text().splitlines()
+             if line.startswith("template __global__ void Marlin<")]
+    # 5 row-block sizes x 3 thread shapes of one type and group case, each built once
+    assert len(insts) == len(set(insts)) == 15 and len(parts) == build.MARLIN_PARTS
+    assert all("vllm::kBFloat16.id(), vllm::kU4B8.id(), vllm::kBFloat16.id()" in i
+               and re.search(r", 2, false>", i) for i in insts)
+    gen_dir = csrc / build.MARLIN_DIR
+    assert sorted(p.name for p in gen_dir.glob("sm*_kernel_*.cu")) == []  # split, not doubled
+    selector = (gen_dir / "kernel_selector.h").read_text()
+    chosen = re.findall(r"kernel = (Marlin<.*?>);", selector)
+    assert len(chosen) == 15
+    built = {re.search(r"void (Marlin<.*?>)\(", i).group(1) for i in insts}
+    assert set(chosen) == built  # the selector offers only what was compiled
+    text = bindings.render(csrc)
+    for op in sorted(bindings.IMPL_IN_SOURCE):
+        assert f'"{op}(' in text and f'impl("{op}"' not in text
+    assert 'ops.impl("rms_norm"' in text
+    wrappers = {p.name: p.read_text() for p in build.registering_wrappers(csrc, tmp_path)}
+    assert any("#define TORCH_EXTENSION_NAME _moe_C" in t and "marlin_moe_wna16/ops.cu" in t
+               for t in wrappers.values())
+    assert any("#define TORCH_EXTENSION_NAME _C\n" in t and "gptq_marlin_repack.cu" in t
+               for t in wrappers.values())

@@ -52,8 +52,8 @@ def _fingerprint(config_path: Path) -> str:
 def build_once(out: Path, make: Callable[[Path], None]) -> Path:
     """`out`, made by `make(tmp)` in a temp dir beside it and renamed into place, once:
     a directory that exists is complete; one built concurrently elsewhere wins."""
-    if (out / "model.safetensors").exists():
-        return out
+    if (out / "model.safetensors").exists() or (out / "model.safetensors.index.json").exists():
+        return out  # one file, or the shards save_pretrained writes for a larger model
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
