@@ -143,6 +143,10 @@ def test_acceptance_job_reports_and_gates(trained):
     assert rep["mean_acceptance_length"] == pytest.approx(
         1 + sum(rep["accepted_per_position"]) / rep["drafts"], abs=1e-4)
     assert "mean acceptance length" in r.stdout
+    from PIL import Image
+
+    with Image.open(out / "acceptance.png") as png:  # the chart beside the report
+        assert png.format == "PNG" and png.size == (800, 460)
     r = cli("acceptance", "model=tiny", f"drafter.dir={d}", "dataset=sample",
             "dataset.max_samples=1", "acceptance.max_tokens=8", f"output.dir={out}-2",
             "acceptance.min_first_position=1.0", check=False)

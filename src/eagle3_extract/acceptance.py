@@ -30,15 +30,16 @@ from typing import Any
 
 import torch
 
+from .chart import acceptance_chart, report_series
 from .config import validate_acceptance
 from .errors import JobError, PreflightError
-from .layout import TRAIN_JSON
+from .layout import ACCEPTANCE_JSON, ACCEPTANCE_PNG, TRAIN_JSON
 from .manifest import write_json_atomic
 
 log = logging.getLogger("eagle3_extract")
 
 PROG = "eagle3-acceptance"
-REPORT = "acceptance.json"
+REPORT = ACCEPTANCE_JSON
 TRAIN_RECORD = TRAIN_JSON
 
 
@@ -449,6 +450,10 @@ def run(cfg: Any) -> dict[str, Any]:
                 "train_record": plan.record})
     plan.out.mkdir(parents=True, exist_ok=True)
     write_json_atomic(plan.out / REPORT, rep)
+    acceptance_chart([report_series(rep, engine)], plan.out / ACCEPTANCE_PNG,
+                     f"{PROG}: {Path(str(plan.drafter)).name} on {Path(plan.info.path).name}",
+                     f"{rep['prompts']} prompts, {rep['drafts']} drafts of "
+                     f"{rep['num_speculative_tokens']} tokens, engine {engine}")
     per = " / ".join(f"{a:.1%}" for a in rep["acceptance_per_position"])
     print(f"{PROG}: acceptance per position {per}; mean acceptance length "
           f"{rep['mean_acceptance_length']:.3f} over {rep['drafts']} drafts, "
