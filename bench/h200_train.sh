@@ -17,7 +17,8 @@ if [[ ${1:-} == wheels ]]; then  # here: the trainer's packages the device lacks
     --platform manylinux2014_x86_64 -d .gpu-bundle/whlT speculators==0.9.0 hs-connectors==0.9.0 \
     datasets==5.1.0 multiprocess==0.70.19 dill==0.4.1 pydantic==2.14.4 pydantic-core==2.50.5 \
     pydantic-settings==2.16.3 python-dotenv==1.2.4 loguru==0.7.3 openai==3.57.0 distro==1.9.0 \
-    jiter==0.19.0 sniffio==1.3.1 typing-inspection==0.4.5 annotated-types==0.8.0
+    jiter==0.19.0 sniffio==1.3.1 typing-inspection==0.4.5 annotated-types==0.8.0 httpx2==2.16.2 \
+    httpcore2==2.16.2
   exit $?
 fi
 OUT=${OUT:-/tmp/train-results}
