@@ -44,3 +44,32 @@ def test_held_states_are_never_overwritten_and_slots_are_reused():
     assert ed.states[0].data_ptr() == ptr  # the released slot is reused
     assert torch.equal(ed.states[0], snap)
     engine.close()
+
+
+def test_the_engine_stores_as_the_storage_it_is_handed(monkeypatch):
+    """One Storage per job (job.preflight builds it from output.*) handed to the engine:
+    the engine does not rebuild its own from the config, so the two cannot disagree."""
+    import eagle3_extract.engine.start as start
+    from eagle3_extract.layout import Storage
+
+    built = []
+    monkeypatch.setattr(Storage, "from_output", classmethod(
+        lambda cls, out: built.append(out) or cls()))
+    fp8 = Storage(dtype="fp8")
+    from types import SimpleNamespace
+
+    from conftest import engine_cfg, model_cfg
+    from eagle3_extract.engine import inspect_model
+
+    m = model_cfg()
+    cfg = SimpleNamespace(model=m, engine=engine_cfg("hf"), output={"dtype": "model"})
+    engine = start.build_engine(cfg, inspect_model(m), [2, 4], fp8)
+    try:
+        assert engine.storage is fp8 and built == []  # handed on, not rebuilt
+        eb = engine.extract(Batch([Sample(0, list(range(1, 40)), [1] * 39)]))
+        assert eb.states[0].dtype == torch.float8_e4m3fn  # stored as it was told
+    finally:
+        engine.close()
+    engine = start.build_engine(cfg, inspect_model(m), [2, 4])  # no plan: from the config
+    engine.close()
+    assert built == [{"dtype": "model"}]

@@ -240,7 +240,7 @@ def preflight(cfg: Any, start_engine: bool = False) -> Plan:
         def start() -> None:  # after the tokenizer workers are forked (data.tokenize_rows)
             nonlocal engine_start
             if early and engine_start is None:
-                engine_start = EngineStart(cfg, info, layer_ids)
+                engine_start = EngineStart(cfg, info, layer_ids, storage)
 
         if from_launcher:  # the launcher's shard, tokenized once: this replica's part
             start()
@@ -583,7 +583,7 @@ def _take_engine(plan: Plan, timings: dict[str, float]) -> Engine:
     start, plan.engine_start = plan.engine_start, None
     if start is None:
         t = time.perf_counter()
-        engine = build_engine(plan.cfg, plan.info, plan.layer_ids)
+        engine = build_engine(plan.cfg, plan.info, plan.layer_ids, plan.storage)
         timings["engine_start_s"] = round(time.perf_counter() - t, 3)
         return engine
     engine = start.take()  # raises the start's error; its thread has ended either way

@@ -191,7 +191,7 @@ class HFReference:
         # the reference in full model precision, whatever the data is stored in
         cfg = OmegaConf.merge(cfg, {"engine": {"name": "hf"}, "output": {"dtype": "model"}})
         self.layer_ids = list(layer_ids)
-        self.engine = HFEngine(cfg, info, self.layer_ids)
+        self.engine = HFEngine(cfg, info, self.layer_ids, Storage())  # the model's dtype
 
     def states(self, samples: list[Sample]) -> list[torch.Tensor]:
         eb = self.engine.extract(Batch(samples))

@@ -22,7 +22,8 @@ from .layers import attach_capture, find_decoder_layers
 
 
 class HFEngine:
-    def __init__(self, cfg: Any, info: ModelInfo, layer_ids: list[int]):
+    def __init__(self, cfg: Any, info: ModelInfo, layer_ids: list[int],
+                 storage: Storage | None = None):
         from transformers import AutoModelForCausalLM
 
         device = getattr(cfg.engine, "device", "auto")
@@ -33,7 +34,9 @@ class HFEngine:
         self.num_layers = info.num_layers
         self.hidden_size = info.hidden_size
         self.dtype = info.dtype
-        self.storage = Storage.from_output(cfg.output) if hasattr(cfg, "output") else Storage()
+        if storage is None:
+            storage = Storage.from_output(cfg.output) if hasattr(cfg, "output") else Storage()
+        self.storage = storage
         self._stored = self.storage.stored_dtype(info.dtype)
         self.model = AutoModelForCausalLM.from_pretrained(
             info.path,

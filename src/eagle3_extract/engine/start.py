@@ -19,6 +19,7 @@ import threading
 import time
 from typing import Any
 
+from ..layout import Storage
 from ..model import ModelInfo
 from ..types import Engine
 
@@ -40,23 +41,27 @@ def starts_apart(cfg: Any) -> bool:
     return str(cfg.engine.distributed_executor_backend) in ("mp", "ray")
 
 
-def build_engine(cfg: Any, info: ModelInfo, layer_ids: list[int]) -> Engine:
+def build_engine(cfg: Any, info: ModelInfo, layer_ids: list[int],
+                 storage: Storage | None = None) -> Engine:
+    """`storage`: how the states are stored, as the job's preflight built it (None: from
+    cfg.output, for callers without a plan)."""
     name = cfg.engine.name
     if name == "hf":
         from .hf import HFEngine
 
-        return HFEngine(cfg, info, layer_ids)
+        return HFEngine(cfg, info, layer_ids, storage)
     if name == "vllm":
         from .vllm import VllmEngine
 
-        return VllmEngine(cfg, info, layer_ids)
+        return VllmEngine(cfg, info, layer_ids, storage)
     raise ValueError(f"engine={name!r}: choose engine=vllm or engine=hf")
 
 
 class EngineStart:
-    """`build_engine(cfg, info, layer_ids)` in a thread, started now."""
+    """`build_engine(cfg, info, layer_ids, storage)` in a thread, started now."""
 
-    def __init__(self, cfg: Any, info: Any, layer_ids: list[int]):
+    def __init__(self, cfg: Any, info: Any, layer_ids: list[int],
+                 storage: Storage | None = None):
         # the kernel's clock for process start times (/proc/PID/stat): ticks since boot
         self._since = int(time.clock_gettime(time.CLOCK_BOOTTIME) * os.sysconf("SC_CLK_TCK"))
         self._lock = threading.Lock()
@@ -66,13 +71,15 @@ class EngineStart:
         self.start_s: float | None = None
         self.waited_s = 0.0
         self._t0 = time.perf_counter()
-        self._thread = threading.Thread(target=self._start, args=(cfg, info, layer_ids),
+        self._thread = threading.Thread(target=self._start,
+                                        args=(cfg, info, layer_ids, storage),
                                         name="engine-start", daemon=True)
         self._thread.start()
 
-    def _start(self, cfg: Any, info: Any, layer_ids: list[int]) -> None:
+    def _start(self, cfg: Any, info: Any, layer_ids: list[int],
+               storage: Storage | None) -> None:
         try:
-            engine = build_engine(cfg, info, layer_ids)
+            engine = build_engine(cfg, info, layer_ids, storage)
         except BaseException as e:  # raised where the job takes the engine
             with self._lock:
                 self._error = e

@@ -219,13 +219,14 @@ def check_replies(replies: list, num_columns: int) -> tuple[list, torch.Tensor]:
 
 
 class VllmEngine:
-    def __init__(self, cfg: Any, info: ModelInfo, layer_ids: list[int]):
+    def __init__(self, cfg: Any, info: ModelInfo, layer_ids: list[int],
+                 storage: Storage | None = None):
         from vllm.engine.arg_utils import EngineArgs
         from vllm.v1.executor import Executor
 
         self.layer_ids = list(layer_ids)
         self.num_layers, self.hidden_size, self.dtype = info.num_layers, info.hidden_size, info.dtype
-        self.storage = Storage.from_output(getattr(cfg, "output", {}))
+        self.storage = storage or Storage.from_output(getattr(cfg, "output", {}))
         # The CPU worker of the in-process (uni) executor pins this process to its
         # cores; undone in close() so later jobs, writers and children get them all.
         self._affinity = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
