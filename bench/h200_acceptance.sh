@@ -10,8 +10,10 @@
 #   D: carry .gpu-stage/d (last piece, drafters)                        -> ... vllm
 #   E: carry .gpu-stage/d                                               -> ... hf
 # (vllm: vLLM's speculative decoding with both drafters; hf: our loop, real drafter, bf16.)
+# `model` (after C, carrying .gpu-stage/d): only reassemble the GGUF and build the model;
+# its directory goes to /tmp/stage/model-dir (bench/h200_e2e.sh runs the chain on it).
 set -uo pipefail
-step=${1:?stage|A|B|C|vllm|hf}
+step=${1:?stage|A|B|C|model|vllm|hf}
 OUT=${OUT:-/tmp/acceptance-results}
 GGUF=SmolLM2-135M-Instruct.Q4_1.gguf
 
@@ -52,7 +54,7 @@ case $step in
        .gpu-bundle/whlC/*.whl || exit 3 ;;
 esac
 cp .gpu-stage/*/part.* /tmp/stage/ 2> /dev/null
-[[ $step == vllm || $step == hf ]] || { ls -la /tmp/stage; exit 0; }
+[[ $step == vllm || $step == hf || $step == model ]] || { ls -la /tmp/stage; exit 0; }
 
 export PYTHONPATH=/tmp/site:$PWD/src VLLM_WORKER_MULTIPROC_METHOD=spawn PYTHONUNBUFFERED=1
 if [[ ! -f /tmp/stage/$GGUF ]]; then
@@ -64,6 +66,7 @@ model=$(python3 -c "
 from pathlib import Path; from eagle3_extract.smollm2 import build_smollm2
 print(build_smollm2(root=Path('/tmp/real'), gguf=Path('/tmp/stage/$GGUF')))") || exit 3
 sha256sum "$model/config.json"
+if [[ $step == model ]]; then echo "$model" > /tmp/stage/model-dir; exit 0; fi
 common=(model=smollm2 "model.path=$model" "dataset.max_samples=${HELDOUT:-160}"
         acceptance.max_tokens=128)
 kit=('+engine.vllm_args.attention_config={backend:TRITON_ATTN}'

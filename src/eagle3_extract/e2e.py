@@ -11,7 +11,13 @@ own command with its own output dir under --out (so a rerun resumes each); the v
 compares the two first-position acceptances and goes to <out>/e2e.json. Exit 1 when the
 real drafter is below --min-first or the control is not far below it. `--fp8` adds the
 same chain on `output=fp8` data (acceptance parity: the fp8 drafter may not fall more than
---fp8-drop below the bf16 one).
+--fp8-drop below the bf16 one). `--curve 480,2000` adds the learning curve: the real
+chain again on the first N regenerated samples for each N (the extraction's seeded order,
+so each set holds the smaller ones), measured on the same held-out prompts; the reports
+go to e2e.json and a chart to <out>/learning-curve.png. `--prompts FILE` regenerates a
+larger prompt set (tools/make_prompts.py --large), and `--model-arg` / `--engine-arg` /
+`--acceptance-arg` / `--train-arg` pass overrides through, so that the same chain runs on
+a GPU (bench/h200_e2e.sh).
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from .chart import acceptance_chart, report_series
 from .layout import MANIFEST_JSON, STATES_KEY
 from .manifest import write_json_atomic
 
@@ -116,11 +123,16 @@ def post_norm_last_layer(root: Path) -> int:
     return done
 
 
+def model_args(args: argparse.Namespace) -> list[str]:
+    """The target model and engine overrides every step that runs the target takes."""
+    return [f"model={args.model}", *args.model_args, *args.engine_args]
+
+
 def extract(out: Path, args: argparse.Namespace, kind: str, layers: list[str],
             lane: Lane) -> Path:
     conv = out / "regenerated" / "conversations.jsonl"
     ext = out / f"extract-{kind}"
-    lane.step("cli", f"model={args.model}", "dataset=local", f"dataset.path={conv}",
+    lane.step("cli", *model_args(args), "dataset=local", f"dataset.path={conv}",
               f"output.dir={ext}", *layers, *args.extract_args)
     if kind == "control":
         n = post_norm_last_layer(ext)
@@ -134,9 +146,9 @@ def train_and_measure(out: Path, args: argparse.Namespace, kind: str, served: li
     ext, drafter, acc = out / f"extract-{kind}", out / f"drafter-{kind}", out / f"acceptance-{kind}"
     lane.step("train", f"data.dir={ext}", f"train={args.train}", f"output.dir={drafter}",
               *served, *args.train_args)
-    lane.step("acceptance", f"model={args.model}", f"drafter.dir={drafter / 'drafter'}",
+    lane.step("acceptance", *model_args(args), f"drafter.dir={drafter / 'drafter'}",
               f"dataset.max_samples={args.heldout}", f"acceptance.max_tokens={args.max_tokens}",
-              f"output.dir={acc}")
+              f"output.dir={acc}", *args.acceptance_args)
     return json.loads((acc / "acceptance.json").read_text())
 
 
@@ -155,6 +167,8 @@ def run_chains(out: Path, args: argparse.Namespace) -> dict[str, dict[str, Any]]
             [f"train.served_layer_ids=[{','.join(map(str, served_ids))}]"])
     if args.fp8:  # same answers, seeds and trainer settings: only the stored dtype differs
         plans["fp8"] = (["output=fp8"], [])
+    for n in args.curve:  # the first n of the same regenerated set, same trainer settings
+        plans[f"curve-{n}"] = ([f"dataset.max_samples={n}"], [])
     names = list(plans)
     jobs = max(1, min(args.jobs, len(names)))
     slots: queue.Queue = queue.Queue()
@@ -200,14 +214,29 @@ def main(argv: list[str] | None = None) -> int:
                          "each pinned to its share of the cores; their output goes to "
                          "<out>/logs/<chain>.log")
     ap.add_argument("--out", type=Path, default=None, help="default outputs/e2e/<model>")
+    ap.add_argument("--curve", type=lambda v: sorted({int(x) for x in v.split(",")}),
+                    default=[], metavar="N,N,...",
+                    help="also train and measure on the first N regenerated samples, each N")
+    ap.add_argument("--prompts", type=Path, default=None,
+                    help="a .jsonl of prompts to regenerate (default: dataset=prompts)")
     ap.add_argument("--extract-arg", dest="extract_args", action="append", default=[])
     ap.add_argument("--train-arg", dest="train_args", action="append", default=[])
+    ap.add_argument("--model-arg", dest="model_args", action="append", default=[],
+                    help="to regenerate, extract and acceptance (e.g. model.path=DIR)")
+    ap.add_argument("--engine-arg", dest="engine_args", action="append", default=[],
+                    help="to regenerate, extract and acceptance (engine settings)")
+    ap.add_argument("--acceptance-arg", dest="acceptance_args", action="append", default=[],
+                    help="to eagle3-acceptance only (e.g. engine=vllm)")
     args = ap.parse_args(argv)
+    if any(n >= args.samples or n < 1 for n in args.curve):
+        ap.error(f"--curve sizes must be between 1 and --samples ({args.samples}) exclusive")
     out = (args.out or Path("outputs/e2e") / args.model).resolve()
     t0 = time.monotonic()
-    Lane().step("regenerate", f"model={args.model}", "dataset=prompts",
-          f"dataset.max_samples={args.samples}", f"generate.max_tokens={args.max_tokens}",
-          f"output.dir={out / 'regenerated'}")
+    prompts = (["dataset=local", f"dataset.path={args.prompts.resolve()}"] if args.prompts
+               else ["dataset=prompts"])
+    Lane().step("regenerate", *model_args(args), *prompts,
+                f"dataset.max_samples={args.samples}", f"generate.max_tokens={args.max_tokens}",
+                f"output.dir={out / 'regenerated'}")
     reports = run_chains(out, args)
     real = reports["real"]
     result: dict[str, Any] = {"model": args.model, "samples": args.samples,
@@ -234,12 +263,21 @@ def main(argv: list[str] | None = None) -> int:
         if args.min_first is not None and f_first < first - args.fp8_drop:
             problems.append(f"fp8: first-position acceptance {f_first:.1%} is more than "
                             f"{args.fp8_drop:.1%} below the bf16 drafter's {first:.1%}")
+    if args.curve:
+        result["curve"] = {str(n): reports[f"curve-{n}"] for n in args.curve}
+        result["curve"][str(args.samples)] = real
+        series = [report_series(r, f"{n} samples") for n, r in result["curve"].items()]
+        if "fp8" in reports:
+            series.append(report_series(reports["fp8"], f"{args.samples} samples, fp8"))
+        acceptance_chart(series, out / "learning-curve.png",
+                         f"acceptance by training-set size: {args.model}",
+                         f"{args.heldout} held-out prompts, train={args.train}")
     result["problems"] = problems
     result["seconds"] = round(time.monotonic() - t0, 1)
     write_json_atomic(out / "e2e.json", result)
-    for name in ("real", "control", "fp8"):
-        if name in result:
-            r = result[name]
+    for name in ("real", "control", "fp8", *(f"curve-{n}" for n in args.curve)):
+        if name in reports:
+            r = reports[name]
             per = " / ".join(f"{a:.1%}" for a in r["acceptance_per_position"])
             print(f"e2e: {name:7s} acceptance per position {per}, mean acceptance length "
                   f"{r['mean_acceptance_length']:.3f} ({r['drafts']} drafts)", flush=True)
