@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from .chart import acceptance_chart, report_series
-from .layout import MANIFEST_JSON, STATES_KEY
+from .layout import ACCEPTANCE_JSON, MANIFEST_JSON, STATES_KEY
 from .manifest import write_json_atomic
 
 CONTROL_MARK = "e2e_control"  # sample metadata: the last layer was replaced by its post-norm
@@ -149,7 +149,7 @@ def train_and_measure(out: Path, args: argparse.Namespace, kind: str, served: li
     lane.step("acceptance", *model_args(args), f"drafter.dir={drafter / 'drafter'}",
               f"dataset.max_samples={args.heldout}", f"acceptance.max_tokens={args.max_tokens}",
               f"output.dir={acc}", *args.acceptance_args)
-    return json.loads((acc / "acceptance.json").read_text())
+    return json.loads((acc / ACCEPTANCE_JSON).read_text())
 
 
 def run_chains(out: Path, args: argparse.Namespace) -> dict[str, dict[str, Any]]:
