@@ -163,15 +163,15 @@ pipeline: ## regenerate, then extract on its output: DATASET MODEL REGEN_ARGS AR
 DRAFTER ?=
 E2E_ARGS ?=
 train: venv venv-train ## eagle3-train: a drafter vLLM 0.16 serves, from DIR=<extraction> ARGS=...
-	$(VPY) -m eagle3_extract.train 'data.dir=$(DIR)' $(ARGS)
+	$(VPY) -m eagle3_extract.drafter.train 'data.dir=$(DIR)' $(ARGS)
 
 acceptance: venv ## eagle3-acceptance: DRAFTER=<train output>/drafter MODEL=... ARGS=...
-	$(VPY) -m eagle3_extract.acceptance 'drafter.dir=$(DRAFTER)' $(if $(MODEL),model=$(MODEL)) $(ARGS)
+	$(VPY) -m eagle3_extract.drafter.acceptance 'drafter.dir=$(DRAFTER)' $(if $(MODEL),model=$(MODEL)) $(ARGS)
 
 # The drafter check end to end: regenerate -> extract -> train -> acceptance on held-out
 # prompts, and the same on states one layer off (the control), into outputs/e2e/<MODEL>.
 e2e: venv venv-train ## the drafter check with its control: MODEL=smollm2 E2E_ARGS="--samples 240 ..."
-	$(VPY) -m eagle3_extract.e2e --model $(or $(MODEL),tiny) $(E2E_ARGS)
+	$(VPY) -m eagle3_extract.dev.e2e --model $(or $(MODEL),tiny) $(E2E_ARGS)
 
 sweep: ## Hydra multirun (eagle3-extract -m): same variables as extract
 	@docker/make-job.sh sweep $(ARGS)

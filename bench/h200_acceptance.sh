@@ -19,7 +19,7 @@ GGUF=SmolLM2-135M-Instruct.Q4_1.gguf
 
 if [[ $step == stage ]]; then  # here: split the GGUF, drafters without their embeddings
   src=${2:?drafters dir: outputs/e2e/<model>}
-  gguf=$(.venv/bin/python -c "from eagle3_extract.smollm2 import gguf_path; print(gguf_path())")
+  gguf=$(.venv/bin/python -c "from eagle3_extract.models.smollm2 import gguf_path; print(gguf_path())")
   rm -rf .gpu-stage && mkdir -p .gpu-stage/{a,b,c,d}
   head -c 2000000 "$gguf" > .gpu-stage/a/part.0
   tail -c +2000001 "$gguf" | head -c 28000000 > .gpu-stage/b/part.1
@@ -63,7 +63,7 @@ fi
 [[ $(sha256sum "/tmp/stage/$GGUF" | cut -d' ' -f1) == $(cat .gpu-stage/d/gguf.sha256) ]] \
   || { echo "the GGUF pieces do not reassemble (a call was lost): start again at A" >&2; exit 3; }
 model=$(python3 -c "
-from pathlib import Path; from eagle3_extract.smollm2 import build_smollm2
+from pathlib import Path; from eagle3_extract.models.smollm2 import build_smollm2
 print(build_smollm2(root=Path('/tmp/real'), gguf=Path('/tmp/stage/$GGUF')))") || exit 3
 sha256sum "$model/config.json"
 if [[ $step == model ]]; then echo "$model" > /tmp/stage/model-dir; exit 0; fi
@@ -75,13 +75,13 @@ kit=('+engine.vllm_args.attention_config={backend:TRITON_ATTN}'
 if [[ $step == vllm ]]; then
   for kind in real control; do
     [[ -d .gpu-stage/d/drafter-$kind ]] || continue
-    timeout 240 python3 -m eagle3_extract.acceptance "${common[@]}" \
+    timeout 240 python3 -m eagle3_extract.drafter.acceptance "${common[@]}" \
       "drafter.dir=.gpu-stage/d/drafter-$kind" engine=vllm "${kit[@]}" \
       "output.dir=$OUT/vllm-$kind" > "$OUT/vllm-$kind.log" 2>&1
     echo "vllm $kind rc=$?"; grep -a eagle3-acceptance "$OUT/vllm-$kind.log" | tail -3
   done
 else
-  timeout 500 python3 -m eagle3_extract.acceptance "${common[@]}" \
+  timeout 500 python3 -m eagle3_extract.drafter.acceptance "${common[@]}" \
     drafter.dir=.gpu-stage/d/drafter-real engine=hf acceptance.hf_dtype=bfloat16 \
     "output.dir=$OUT/hf-real" > "$OUT/hf-real.log" 2>&1
   echo "hf real rc=$?"; grep -a eagle3-acceptance "$OUT/hf-real.log" | tail -3

@@ -87,7 +87,7 @@ extract_verify() {  # extract_verify DTYPE [TAG OVERRIDE...]: the job, then eagl
   echo "== extract $tag rc=$? in $((SECONDS - t)) s"; tail -12 "$OUT/extract-$tag.log"
   cp "$out/manifest.json" "$OUT/manifest-$tag.json" 2> /dev/null
   t=$SECONDS
-  timeout $(($(left) - 10)) python3 -m eagle3_extract.verify "$out" --samples 8 \
+  timeout $(($(left) - 10)) python3 -m eagle3_extract.check.verify "$out" --samples 8 \
     ${VERIFY_ARGS:-} > "$OUT/verify-$tag.log" 2>&1
   echo "== verify $tag rc=$? in $((SECONDS - t)) s"; tail -30 "$OUT/verify-$tag.log"
   cp "$out/verify_report.json" "$OUT/verify-$tag.json" 2> /dev/null
@@ -145,7 +145,7 @@ fi
 # (Marlin on this GPU); verified against HF transformers on the dequantized weights
 if want kimi-w4a16 && (($(left) > 240)); then
   t=$SECONDS
-  src=$(python3 -c "from eagle3_extract.tiny import build_tiny_model as b; print(b('$KIMI_BF16'))")
+  src=$(python3 -c "from eagle3_extract.models.tiny import build_tiny_model as b; print(b('$KIMI_BF16'))")
   python3 bench/w4a16.py "$src" /tmp/kimi-w4a16 /tmp/kimi-w4a16-ref > "$OUT/w4a16.json" \
     && echo "== w4a16 checkpoint in $((SECONDS - t)) s: $(cat "$OUT/w4a16.json")"
   VERIFY_ARGS="--reference hf model.path=/tmp/kimi-w4a16-ref" extract_verify model kimi-w4a16 \

@@ -41,7 +41,7 @@ BUDGET_S=${BUDGET_S:-570}
 # the vLLM kit: Triton attention, vLLM's native ops (its compiled ones are stubbed there);
 # the trainer: eager loss (its fused Triton loss does not compile under torch 2.11, docs/train.md)
 timeout --signal=TERM --kill-after=20 $((BUDGET_S - 30 - (SECONDS - t0))) \
-  python3 -m eagle3_extract.e2e --model smollm2 --out /tmp/e2e \
+  python3 -m eagle3_extract.dev.e2e --model smollm2 --out /tmp/e2e \
   --prompts "$prompts" --samples "${SAMPLES:-20000}" --curve "${CURVE:-480,2000,5000}" \
   --heldout "${HELDOUT:-160}" --max-tokens 128 --fp8 --no-control \
   --model-arg "model.path=$model" --model-arg model.gpu_memory_utilization=0.5 \

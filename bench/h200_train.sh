@@ -46,7 +46,7 @@ t=$SECONDS
 # kernel's autotune configs (a prune_configs_by kernel called twice in one trace,
 # pytorch/pytorch#177600): the eager loss until a torch with that fix
 EAGER_LOSS="train.extra_args=[--loss-implementation,eager]"
-python3 -m eagle3_extract.train "data.dir=$run/extract" train=small "output.dir=$run/drafter" \
+python3 -m eagle3_extract.drafter.train "data.dir=$run/extract" train=small "output.dir=$run/drafter" \
   ${TRAIN_ARGS:-$EAGER_LOSS} > "$OUT/train.log" 2>&1
 echo "== train rc=$? in $((SECONDS - t)) s"; grep -v "^\s*$" "$OUT/train.log" | tail -25
 cp "$run/drafter/drafter/eagle3-train.json" "$OUT/" 2> /dev/null

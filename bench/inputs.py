@@ -18,9 +18,9 @@ from unittest import mock
 import numpy as np
 import torch
 
-from eagle3_extract.batching import iter_batches, plan_batches
-from eagle3_extract.data import Tokenized, build_dataset, load_tokenizer
-from eagle3_extract.tiny import TINY_CONFIGS
+from eagle3_extract.dataset.batching import iter_batches, plan_batches
+from eagle3_extract.dataset.samples import Tokenized, build_dataset, load_tokenizer
+from eagle3_extract.models.tiny import TINY_CONFIGS
 
 ROOT = Path(__file__).resolve().parents[1]
 SAMPLE_SET = ROOT / "src/eagle3_extract/assets/sample/conversations.jsonl"

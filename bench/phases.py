@@ -24,10 +24,10 @@ from typing import Any, Callable
 
 import torch
 
-from eagle3_extract.job import extraction_loop
+from eagle3_extract.extract.job import extraction_loop
 from eagle3_extract.layout import DATA_DIR
 from eagle3_extract.types import Batch, ExtractedBatch
-from eagle3_extract.writer import Writer
+from eagle3_extract.extract.writer import Writer
 
 FILES_PER_DIR = 10000
 

@@ -33,8 +33,8 @@ SAMPLE_SET = ROOT / "src/eagle3_extract/assets/sample/conversations.jsonl"
 def model_dir(spec: str, tokenizer: str | None, vocab: int | None) -> str:
     """--model -> a directory with config and tokenizer (a config.json is copied into one,
     with the tokenizer's files beside it and, with --vocab, its vocab_size set)."""
-    from eagle3_extract.smollm2 import build_smollm2
-    from eagle3_extract.tiny import TINY_CONFIGS, build_tiny_model
+    from eagle3_extract.models.smollm2 import build_smollm2
+    from eagle3_extract.models.tiny import TINY_CONFIGS, build_tiny_model
 
     if spec == "smollm2":
         return str(build_smollm2())
@@ -78,8 +78,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 def _measure(llm, tok, cfg, rows: list, args: argparse.Namespace) -> tuple[dict, bool]:
     """Both paths over the same prompts and SamplingParams, alternating, after a warm-up."""
-    from eagle3_extract.data import to_messages
-    from eagle3_extract.generation import Pending, Regenerator, plan_turns
+    from eagle3_extract.dataset.samples import to_messages
+    from eagle3_extract.regenerate.generation import Pending, Regenerator, plan_turns
 
     max_model_len = int(cfg.model.max_model_len)
     regen = Regenerator(llm, tok, cfg.generate, max_model_len, None,
@@ -129,9 +129,9 @@ def main(argv: list[str] | None = None) -> dict:
     from transformers import AutoTokenizer
 
     from eagle3_extract.config import conf_dir
-    from eagle3_extract.data import Renderer
-    from eagle3_extract.model import inspect_model
-    from eagle3_extract.generation import build_llm, close_llm
+    from eagle3_extract.dataset.samples import Renderer
+    from eagle3_extract.models.config import inspect_model
+    from eagle3_extract.regenerate.generation import build_llm, close_llm
 
     path = model_dir(args.model, args.tokenizer, args.vocab)
     over = [f"model.path={path}", f"model.max_model_len={args.max_model_len}",

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from eagle3_extract.model import text_config
+from eagle3_extract.models.config import text_config
 
 FLOPS_FORMULA = (
     "flops_per_token = 2 * P + 4 * n_layers * n_heads * head_dim * c; P = parameters of the "

@@ -35,7 +35,7 @@ import torch
 
 from eagle3_extract.engine import inspect_model, resolve_layer_ids
 from eagle3_extract.engine.start import build_engine
-from eagle3_extract.model import read_config
+from eagle3_extract.models.config import read_config
 
 ROOT = Path(__file__).resolve().parents[1]
 TARGET = 0.95

@@ -88,7 +88,7 @@ def write_files(out: Path, files: int) -> None:
 
     from eagle3_extract.layout import sample_path
     from eagle3_extract.types import Sample
-    from eagle3_extract.writer import write_sample
+    from eagle3_extract.extract.writer import write_sample
 
     run_id = json.loads((out / "run.json").read_text())["run_id"]
     first = sample_path(out, 0, 10000, "safetensors")
@@ -104,7 +104,7 @@ def write_files(out: Path, files: int) -> None:
 
 
 def scan_seconds(out: Path, count: int) -> tuple[float, int]:
-    from eagle3_extract.batching import shard_owner
+    from eagle3_extract.dataset.batching import shard_owner
     from eagle3_extract.layout import verified_files
 
     t0 = time.perf_counter()

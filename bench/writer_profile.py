@@ -24,7 +24,7 @@ import torch
 
 import phases
 from eagle3_extract.types import ExtractedBatch, Sample
-from eagle3_extract.writer import check_invariants, write_sample
+from eagle3_extract.extract.writer import check_invariants, write_sample
 
 
 def median_s(fn, reps: int) -> float:

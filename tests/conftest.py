@@ -142,7 +142,7 @@ def offline(monkeypatch):
 
 @pytest.fixture(scope="session")
 def tiny_paths():
-    from eagle3_extract.tiny import build_tiny_model
+    from eagle3_extract.models.tiny import build_tiny_model
 
     return {a: build_tiny_model(a) for a in ("llama", "qwen3", "deepseek_v3")}
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from eagle3_extract.batching import iter_batches, plan_batches, shard_mask, todo_mask
-from eagle3_extract.data import Tokenized
+from eagle3_extract.dataset.batching import iter_batches, plan_batches, shard_mask, todo_mask
+from eagle3_extract.dataset.samples import Tokenized
 
 
 def make_data(lengths: list[int], indices: list[int] | None = None) -> Tokenized:

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from PIL import Image, ImageColor
 
-from eagle3_extract import chart
+from eagle3_extract.drafter import chart
 
 ROOT = Path(__file__).resolve().parents[1]
 

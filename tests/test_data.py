@@ -14,8 +14,8 @@ import pytest
 from omegaconf import OmegaConf
 
 from eagle3_extract.config import ASSETS, PreflightError
-from eagle3_extract.rows import read_rows
-from eagle3_extract.data import (
+from eagle3_extract.dataset.rows import read_rows
+from eagle3_extract.dataset.samples import (
     SKIP_REASONS,
     Renderer,
     build_dataset,
@@ -266,7 +266,7 @@ def test_parallel_tokenization_forks_before_what_starts_beside_it(tok, caplog):
     rows = read_rows(ds_cfg(SAMPLE))
     order = seeded_order(len(rows), 5, True, None)
     seen = []
-    with caplog.at_level("WARNING", logger="eagle3_extract.data"):
+    with caplog.at_level("WARNING", logger="eagle3_extract.dataset.samples"):
         two = tokenize_rows(rows, order, Renderer(tok), 300, "truncate", num_proc=2,
                             on_workers=lambda: seen.append(len(multiprocessing.active_children())))
         one = tokenize_rows(rows, order, Renderer(tok), 300, "truncate",
@@ -279,7 +279,7 @@ def test_parallel_tokenization_forks_before_what_starts_beside_it(tok, caplog):
     other = threading.Thread(target=stop.wait, name="engine-start")
     other.start()
     try:
-        with caplog.at_level("WARNING", logger="eagle3_extract.data"):
+        with caplog.at_level("WARNING", logger="eagle3_extract.dataset.samples"):
             tokenize_rows(rows, order, Renderer(tok), 300, "truncate", num_proc=2)
     finally:
         stop.set()
@@ -456,7 +456,7 @@ def test_the_launchers_set_keeps_its_records_on_disk(tok, tmp_path):
     order = seeded_order(len(rows), 0, False, None)
     whole = tokenize_rows(rows, order, Renderer(tok), 300, "truncate")
     whole.save(tmp_path / "set", {"ident": {}})
-    from eagle3_extract.data import Tokenized
+    from eagle3_extract.dataset.samples import Tokenized
 
     back, _ = Tokenized.load(tmp_path / "set")
     assert back.shard(1, 2).report == whole.shard(1, 2).report

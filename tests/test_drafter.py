@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from eagle3_extract.e2e import control_layer_ids
+from eagle3_extract.dev.e2e import control_layer_ids
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN_PY = ROOT / ".venv-train" / "bin" / "python"
@@ -66,7 +66,7 @@ def test_the_drafter_is_what_vllm_016_serves(trained):
 
 def test_check_servable_refuses_what_vllm_016_would_serve_wrongly(trained):
     from eagle3_extract.errors import JobError
-    from eagle3_extract.train import check_servable
+    from eagle3_extract.drafter.train import check_servable
 
     config = json.loads((trained / "d" / "drafter" / "config.json").read_text())
     names = ["fc.weight", "layers.0.self_attn.q_proj.weight", "norm.weight", "lm_head.weight", "d2t"]
@@ -83,7 +83,7 @@ def test_check_servable_refuses_what_vllm_016_would_serve_wrongly(trained):
 def _target_and_drafter(trained, dtype=torch.float32):
     from transformers import AutoModelForCausalLM
 
-    from eagle3_extract.acceptance import Drafter
+    from eagle3_extract.drafter.acceptance import Drafter
 
     path = json.loads((trained / "x" / "manifest.json").read_text())["model"]["resolved_path"]
     target = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
@@ -115,7 +115,7 @@ def test_the_loop_drafts_what_speculators_trained(trained, tmp_path):
 def test_the_loop_is_lossless_greedy(trained):
     """Speculative decoding changes how fast, not what: the loop's tokens are the target's
     own greedy tokens, whatever the drafter proposes."""
-    from eagle3_extract.acceptance import Counts, HFLoop
+    from eagle3_extract.drafter.acceptance import Counts, HFLoop
 
     target, drafter = _target_and_drafter(trained)
     loop = HFLoop(target, drafter, 3, {4})
@@ -198,7 +198,7 @@ def test_sigterm_stops_the_trainer_and_a_rerun_finishes(trained):
     import time
 
     out = trained / "d-term"
-    args = [sys.executable, "-m", "eagle3_extract.train", f"data.dir={trained / 'x'}",
+    args = [sys.executable, "-m", "eagle3_extract.drafter.train", f"data.dir={trained / 'x'}",
             "train=small", "train.epochs=3", "train.total_seq_len=256",
             "train.draft_vocab_size=256", f"output.dir={out}"]
     proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -259,7 +259,7 @@ def test_a_rerun_resumes_from_the_last_epoch_checkpoint(trained):
     import shutil
 
     out = trained / "d-resume"
-    args = [sys.executable, "-m", "eagle3_extract.train", f"data.dir={trained / 'x'}",
+    args = [sys.executable, "-m", "eagle3_extract.drafter.train", f"data.dir={trained / 'x'}",
             "train=small", "train.epochs=2", "train.total_seq_len=256",
             "train.draft_vocab_size=256", f"output.dir={out}"]
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
@@ -283,7 +283,7 @@ def test_the_control_last_layer_is_hfs_post_norm_state(trained, tmp_path):
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from eagle3_extract.e2e import post_norm_last_layer
+    from eagle3_extract.dev.e2e import post_norm_last_layer
 
     root = tmp_path / "x"
     shutil.copytree(trained / "x", root, ignore=shutil.ignore_patterns(".locks"))

@@ -21,14 +21,14 @@ SAMPLES = 6
 
 @pytest.fixture(scope="module")
 def smollm2():
-    from eagle3_extract.smollm2 import build_smollm2
+    from eagle3_extract.models.smollm2 import build_smollm2
 
     return build_smollm2()
 
 
 @pytest.fixture(scope="module")
 def pt_run(smollm2, tmp_path_factory):
-    from eagle3_extract.job import run
+    from eagle3_extract.extract.job import run
 
     out = tmp_path_factory.mktemp("smollm2") / "pt"
     m = run(compose_cfg("engine=vllm", "engine.distributed_executor_backend=uni",
@@ -74,7 +74,7 @@ def test_speculators_pt_targets_are_the_models_own_logits(smollm2, pt_run):
 
 @pytest.fixture(scope="module")
 def st_run(smollm2, tmp_path_factory):
-    from eagle3_extract.job import run
+    from eagle3_extract.extract.job import run
 
     out = tmp_path_factory.mktemp("smollm2") / "st"
     run(compose_cfg("engine=vllm", "engine.distributed_executor_backend=uni",
@@ -113,7 +113,7 @@ def test_speculators_09_targets_from_the_export_are_the_models_own(smollm2, st_r
     import subprocess
     from pathlib import Path
 
-    from eagle3_extract.export import main as export_main
+    from eagle3_extract.drafter.export import main as export_main
 
     train_py = Path(__file__).resolve().parents[1] / ".venv-train" / "bin" / "python"
     assert export_main([str(st_run), str(tmp_path / "s09")]) == 0
@@ -134,8 +134,8 @@ def test_speculators_09_targets_from_an_fp8_export_are_the_models_own(smollm2, t
     import subprocess
     from pathlib import Path
 
-    from eagle3_extract.export import main as export_main
-    from eagle3_extract.job import run
+    from eagle3_extract.drafter.export import main as export_main
+    from eagle3_extract.extract.job import run
 
     out = tmp_path / "fp8"
     run(compose_cfg("engine=vllm", "engine.distributed_executor_backend=uni",
@@ -162,7 +162,7 @@ def test_verify_checks_the_final_state_against_the_models_logits(smollm2, st_run
     from safetensors.torch import load_file, save_file
     from transformers import AutoModelForCausalLM
 
-    from eagle3_extract import verify
+    from eagle3_extract.check import verify
 
     out = tmp_path / "st"
     shutil.copytree(st_run, out)
@@ -188,7 +188,7 @@ def test_draft_vocab_is_speculators_selection():
 
     from speculators.train.vocab_mapping import build_vocab_mappings_from_distribution
 
-    from eagle3_extract.token_freq import draft_vocab
+    from eagle3_extract.dataset.token_freq import draft_vocab
 
     rng = np.random.default_rng(0)
     loss = {int(t): int(n) for t, n in zip(rng.choice(5000, 900, replace=False),
@@ -205,7 +205,7 @@ def test_the_job_writes_the_draft_vocabulary(tmp_path, shards, monkeypatch):
 
     import numpy as np
 
-    from eagle3_extract.job import run
+    from eagle3_extract.extract.job import run
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     out = tmp_path / "out"
@@ -262,8 +262,8 @@ def test_speculators_09_reads_the_export(tmp_path, monkeypatch):
     import subprocess
     from pathlib import Path
 
-    from eagle3_extract.export import main as export_main
-    from eagle3_extract.job import run
+    from eagle3_extract.drafter.export import main as export_main
+    from eagle3_extract.extract.job import run
 
     train_py = Path(__file__).resolve().parents[1] / ".venv-train" / "bin" / "python"
     assert train_py.exists(), "make venv-train builds the trainer's environment"

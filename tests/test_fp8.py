@@ -69,7 +69,7 @@ def test_quantize_is_hs_connectors_bit_for_bit(tmp_path):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """The same tiny-Llama job on vLLM 0.16 (CPU): bf16, fp8 per token, fp8 per layer."""
-    from eagle3_extract.job import run
+    from eagle3_extract.extract.job import run
 
     root = tmp_path_factory.mktemp("fp8")
     common = ("engine=vllm", "engine.distributed_executor_backend=uni",
@@ -115,8 +115,8 @@ def test_validate_and_verify_read_fp8_and_catch_bad_scales(runs, tmp_path):
     from safetensors import safe_open
     from safetensors.torch import load_file, save_file
 
-    from eagle3_extract import verify
-    from eagle3_extract.validate import validate
+    from eagle3_extract.check import verify
+    from eagle3_extract.check.validate import validate
 
     for name in ("fp8", "fp8l"):
         report = validate(runs[name])
@@ -173,8 +173,8 @@ def test_changed_fp8_scales_and_bytes_fail_validate(runs, tmp_path):
     from safetensors.torch import load_file
 
     from eagle3_extract.layout import CHECKSUM_KEY
-    from eagle3_extract.validate import validate
-    from eagle3_extract.writer import save_safetensors
+    from eagle3_extract.check.validate import validate
+    from eagle3_extract.extract.writer import save_safetensors
 
     out = tmp_path / "bad"
     shutil.copytree(runs["fp8"], out)
@@ -231,7 +231,7 @@ print("read", len(ds), "fp8 rows")
 def test_the_fp8_export_is_what_speculators_09_reads(runs, tmp_path):
     import json
 
-    from eagle3_extract.export import main as export_main
+    from eagle3_extract.drafter.export import main as export_main
 
     assert export_main([str(runs["fp8"]), str(tmp_path / "s09")]) == 0
     rec = json.loads((tmp_path / "s09" / "export.json").read_text())
@@ -247,7 +247,7 @@ def test_the_fp8_export_is_what_speculators_09_reads(runs, tmp_path):
 @pytest.mark.trainer
 def test_the_trainer_trains_on_fp8(runs, tmp_path):
     r = subprocess.run(
-        [str(ROOT / ".venv" / "bin" / "python"), "-m", "eagle3_extract.train",
+        [str(ROOT / ".venv" / "bin" / "python"), "-m", "eagle3_extract.drafter.train",
          f"data.dir={runs['fp8']}", "train=small", "train.epochs=1", "train.max_steps=2",
          "train.total_seq_len=512", "train.draft_vocab_size=256", f"output.dir={tmp_path}/d"],
         capture_output=True, text=True, cwd=ROOT, env={**os.environ, "HF_HUB_OFFLINE": "1"})
@@ -285,13 +285,13 @@ def test_the_time_estimate_comes_from_the_calibrated_rate(monkeypatch, caplog):
     engine start and the first batch excluded), then nothing more."""
     import logging
 
-    from eagle3_extract import progress
+    from eagle3_extract.extract import progress
     from eagle3_extract.types import Sample
 
     clock = iter([100.0, 101.0, 103.0, 125.0, 126.0, 127.0])
     monkeypatch.setattr(progress.time, "perf_counter", lambda: next(clock))
     p = progress.Progress(total_samples=5, total_tokens=500, enabled=False)  # t0 = 100
-    with caplog.at_level(logging.INFO, logger="eagle3_extract.job"):
+    with caplog.at_level(logging.INFO, logger="eagle3_extract.extract.job"):
         for _ in range(5):
             p.on_sample(Sample(0, [1] * 100, [1] * 100), 1000)
     # first file at 101 (100 tokens), the third at 125: 200 tokens in 24 s

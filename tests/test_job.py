@@ -65,7 +65,7 @@ def expected_samples(*overrides: str):
     from transformers import AutoTokenizer
 
     from eagle3_extract.config import max_length
-    from eagle3_extract.data import build_dataset
+    from eagle3_extract.dataset.samples import build_dataset
 
     cfg = compose_cfg(*overrides)
     tok = AutoTokenizer.from_pretrained(str(ASSETS / "tokenizer"))
@@ -149,8 +149,8 @@ def test_hf_end_to_end_files_manifest_token_freq(hf_run):
 
 
 def test_rerun_resumes_nothing_and_refuses_a_different_config(hf_run):
-    from eagle3_extract.job import preflight
-    from eagle3_extract.job import run as extract
+    from eagle3_extract.extract.job import preflight
+    from eagle3_extract.extract.job import run as extract
 
     out, _, _ = hf_run
     before = {p: p.stat().st_mtime_ns for p in data_files(out).values()}
@@ -187,7 +187,7 @@ def no_template_tokenizer(tmp_path: Path) -> Path:
     "config_value", "vllm_arg_typo", "vllm_arg_ours", "vllm_arg_truncates",
 ])
 def test_preflight_errors_name_the_key(case, tmp_path, offline):
-    from eagle3_extract.job import preflight
+    from eagle3_extract.extract.job import preflight
 
     out = tmp_path / "out"
     (tmp_path / "empty.jsonl").write_text("\n")
@@ -232,7 +232,7 @@ def test_nested_vllm_args_reach_vllm_as_plain_values(tmp_path, offline):
     from vllm.engine.arg_utils import EngineArgs
 
     from eagle3_extract.engine.vllm import engine_args
-    from eagle3_extract.model import inspect_model
+    from eagle3_extract.models.config import inspect_model
 
     cfg = compose_cfg("engine=vllm", f"output.dir={tmp_path}/out",
                       "+engine.vllm_args.attention_config={backend:CPU_ATTN}",
@@ -246,7 +246,7 @@ def test_nested_vllm_args_reach_vllm_as_plain_values(tmp_path, offline):
 
 
 def test_preflight_disk_space(tmp_path, offline):
-    from eagle3_extract.job import preflight
+    from eagle3_extract.extract.job import preflight
 
     mnt = tmp_path / "small"
     mnt.mkdir()
@@ -273,7 +273,7 @@ def test_preflight_failure_exits_2_fast_without_traceback(tmp_path):
 
 
 def test_two_shards_share_one_directory(tmp_path, offline):
-    from eagle3_extract.job import run as extract
+    from eagle3_extract.extract.job import run as extract
 
     out = tmp_path / "out"
     base = ["engine=hf", f"output.dir={out}", "dataset.max_samples=5",
@@ -499,7 +499,7 @@ def test_stale_json_temps_are_removed_for_own_files_only(tmp_path):
 
 
 def test_the_job_names_the_disk_when_the_writer_sets_the_pace():
-    from eagle3_extract.job import DISK_BOUND_SHARE, LoopTimes, disk_limit_note
+    from eagle3_extract.extract.job import DISK_BOUND_SHARE, LoopTimes, disk_limit_note
 
     engine_bound = LoopTimes(extract_s=30.0, submit_s=DISK_BOUND_SHARE * 30.0, drain_s=2.0)
     assert disk_limit_note(engine_bound, 30.0, 10**9, 2) is None  # the drain is not counted

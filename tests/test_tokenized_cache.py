@@ -27,7 +27,7 @@ def cache(tmp_path, monkeypatch, offline):
 
 
 def _preflight(out: Path, *overrides: str):
-    from eagle3_extract.job import preflight
+    from eagle3_extract.extract.job import preflight
 
     plan = preflight(compose_cfg(*HF, f"output.dir={out}", *overrides))
     plan.close()

@@ -17,10 +17,10 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from conftest import make_engine
-from eagle3_extract import validate
+from eagle3_extract.check import validate
 from eagle3_extract.layout import CHECKSUM_KEY
 from eagle3_extract.types import Batch, Sample
-from eagle3_extract.writer import save_safetensors
+from eagle3_extract.extract.writer import save_safetensors
 
 OVERRIDES = ["dataset.max_samples=6", "model.max_model_len=1024", "engine.token_budget=2048",
              "engine.distributed_executor_backend=uni"]
@@ -28,7 +28,7 @@ OVERRIDES = ["dataset.max_samples=6", "model.max_model_len=1024", "engine.token_
 
 def extract_tiny(root: Path, *overrides: str) -> dict:
     """A real `eagle3-extract` run (default engine: vLLM), in this process."""
-    from eagle3_extract.job import run as extract
+    from eagle3_extract.extract.job import run as extract
     from eagle3_extract.config import conf_dir
 
     with initialize_config_dir(str(conf_dir()), version_base="1.3"):
@@ -209,8 +209,8 @@ def test_unfinished_run_and_unreadable_file(copy):
 
 def split_into_shards(root: Path, count: int = 2) -> None:
     """Rewrite a one-job run as `count` shard manifests, as data parallelism writes them."""
-    from eagle3_extract.token_freq import of_tokenized as token_frequencies
-    from eagle3_extract.data import Tokenized
+    from eagle3_extract.dataset.token_freq import of_tokenized as token_frequencies
+    from eagle3_extract.dataset.samples import Tokenized
 
     m = json.loads((root / "manifest.json").read_text())
     for k in range(count):
@@ -248,7 +248,7 @@ def test_stale_manifest_of_an_earlier_shard_layout_is_a_warning(copy):
 
 def as_speculators_pt(root: Path) -> None:
     """Rewrite the run's files as output.format=speculators_pt (the manifest too)."""
-    from eagle3_extract.writer import write_sample
+    from eagle3_extract.extract.writer import write_sample
 
     m = json.loads((root / "manifest.json").read_text())
     for i in range(6):
@@ -316,7 +316,8 @@ def test_symlinks_in_the_output_dir_are_damage_and_resume_replaces_them(copy, tm
     """A data subdirectory and a sample file replaced by links to whole copies elsewhere:
     validate, status and export name them and read nothing through them; the resumed
     job writes nothing outside the dir and leaves real files in their place."""
-    from eagle3_extract import export, status
+    from eagle3_extract.drafter import export
+    from eagle3_extract.check import status
 
     outside = tmp_path / "elsewhere"
     outside.mkdir()
@@ -354,7 +355,7 @@ def test_validate_and_status_name_the_same_run_after_a_rerun_with_another_layout
     """An earlier complete 1-shard run, then a rerun with shard.count=2 that finished only
     shard 0: both commands take the layout written last (manifest.RunManifests), so the
     dir is not complete for either, and validate names the shard that would finish it."""
-    from eagle3_extract.status import collect
+    from eagle3_extract.check.status import collect
 
     m = json.loads((copy / "manifest.json").read_text())
     assert collect(copy)["complete"]

@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import save_file
 
 from conftest import make_engine
-from eagle3_extract import verify
+from eagle3_extract.check import verify
 from eagle3_extract.manifest import Manifest
 from eagle3_extract.types import Batch, Sample
 from test_validate import extract_tiny, load_st, rewrite, sample_file

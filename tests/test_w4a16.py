@@ -73,7 +73,7 @@ def test_a_group_size_that_does_not_divide_the_input_is_refused():
 def test_the_checkpoint_decodes_to_the_reference_and_vllm_reads_its_scheme(tmp_path):
     from safetensors.torch import load_file
 
-    from eagle3_extract.tiny import build_tiny_model
+    from eagle3_extract.models.tiny import build_tiny_model
 
     src = build_tiny_model("deepseek_v3")
     packed, ref = tmp_path / "w4a16", tmp_path / "ref"

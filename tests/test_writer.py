@@ -13,7 +13,7 @@ from safetensors import safe_open
 
 from eagle3_extract.types import ExtractedBatch, Sample
 from eagle3_extract.layout import clean_stale_temps, finished_indices, sample_path
-from eagle3_extract.writer import Writer, WriterError
+from eagle3_extract.extract.writer import Writer, WriterError
 
 L, H = 3, 16
 LAYERS = [2, 4, 7]

@@ -1,7 +1,7 @@
 """`eagle3-extract`: the Hydra main. Composes the config and hands it to the job.
 
 One shard on one engine: job.run. `parallel.data_parallel_size > 1`: the
-launcher (parallel.py), which runs this same command once per replica.
+launcher (extract/parallel.py), which runs this same command once per replica.
 """
 
 from __future__ import annotations
@@ -10,12 +10,13 @@ import sys
 
 from omegaconf import DictConfig
 
-from .config import conf_dir  # noqa: F401 - where the configs are, for tests and tools
-from .hydra_app import hydra_main, run_guarded
+from eagle3_extract.config import conf_dir  # noqa: F401 - where the configs are, for tests and tools
+from eagle3_extract.hydra_app import hydra_main, run_guarded
 
 
 def _extract(cfg: DictConfig) -> None:
-    from . import job, parallel
+    from eagle3_extract.extract import job
+    from eagle3_extract.extract import parallel
 
     if int(cfg.parallel.data_parallel_size) > 1:
         rc = parallel.launch_hydra_job(cfg)

@@ -19,7 +19,7 @@ from typing import Any, Dict, List, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
 
-from .errors import ConfigError, PreflightError  # noqa: F401 - re-exported
+from eagle3_extract.errors import ConfigError, PreflightError  # noqa: F401 - re-exported
 
 ASSETS = Path(__file__).resolve().parent / "assets"
 

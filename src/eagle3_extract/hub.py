@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Callable
 from urllib.parse import urlparse
 
-from .errors import PreflightError
+from eagle3_extract.errors import PreflightError
 
 PROBE_S = 3.0
 _OFFLINE_VALUES = {"1", "ON", "YES", "TRUE"}

@@ -12,8 +12,8 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from .config import conf_dir
-from .errors import Interrupted, JobError, PreflightError
+from eagle3_extract.config import conf_dir
+from eagle3_extract.errors import Interrupted, JobError, PreflightError
 
 log = logging.getLogger("eagle3_extract")
 
@@ -39,7 +39,7 @@ def run_guarded(prog: str, fn: Any, cfg: DictConfig, interrupted: str) -> None:
     """Run a job's `fn(cfg)` with the exits every command of ours shares: a preflight or
     config error is one line and exit 2, a signal 128 + its number, a JobError its own code.
     A watcher removes the shared memory the job's processes leave if they are SIGKILLed."""
-    from . import shm_watch
+    from eagle3_extract import shm_watch
 
     quiet_engine_logs(bool(cfg.verbose))
     shm_watch.start()

@@ -32,13 +32,13 @@ from typing import Any
 DATA_DIR = "data"
 RUN_JSON = "run.json"
 MANIFEST_JSON = "manifest.json"  # one shard; manifest_name() for several
-TOKEN_FREQ_JSON = "token_freq.json"  # the shards' counts merged (token_freq.py)
+TOKEN_FREQ_JSON = "token_freq.json"  # the shards' counts merged (dataset/token_freq.py)
 VOCAB_DIR = "vocab"  # the draft vocabulary mapping, speculators' layout:
 D2T_NPY, T2D_NPY = "d2t.npy", "t2d.npy"  # int64 [draft vocab], bool [target vocab]
-EXPORT_JSON = "export.json"  # an export's record of its source (export.py)
-TRAIN_JSON = "eagle3-train.json"  # a drafter's record of its data and settings (train.py)
-ACCEPTANCE_JSON = "acceptance.json"  # eagle3-acceptance's report (acceptance.py)
-ACCEPTANCE_PNG = "acceptance.png"  # its per-position chart (chart.py)
+EXPORT_JSON = "export.json"  # an export's record of its source (drafter/export.py)
+TRAIN_JSON = "eagle3-train.json"  # a drafter's record of its data and settings (drafter/train.py)
+ACCEPTANCE_JSON = "acceptance.json"  # eagle3-acceptance's report (drafter/acceptance.py)
+ACCEPTANCE_PNG = "acceptance.png"  # its per-position chart (drafter/chart.py)
 # the tensors of a sample file
 INPUT_IDS_KEY, LOSS_MASK_KEY, STATES_KEY = "input_ids", "loss_mask", "hidden_states"
 EXTENSIONS = {"safetensors": ".safetensors", "speculators_pt": ".pt"}

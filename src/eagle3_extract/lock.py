@@ -23,8 +23,9 @@ import os
 import socket
 import time
 from pathlib import Path
+from typing import Any
 
-from .errors import PreflightError
+from eagle3_extract.errors import PreflightError
 
 LOCK_DIR = ".locks"
 
@@ -106,3 +107,47 @@ class ShardLock:
         if fd is not None:
             self.path.unlink(missing_ok=True)
             os.close(fd)
+
+
+# --- whose process wrote a manifest, and is it still there --------------------------
+
+
+def _read(path: str) -> str | None:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read().strip()
+    except OSError:
+        return None
+
+
+def _start_ticks(pid: int) -> int | None:
+    stat = _read(f"/proc/{pid}/stat")
+    if stat is None:
+        return None
+    # field 22 (starttime); the command name in parentheses may contain spaces
+    return int(stat.rsplit(")", 1)[1].split()[19])
+
+
+def process_identity() -> dict[str, Any]:
+    """This process, precisely enough to tell later whether it is still alive.
+
+    pid alone is not enough: pids are reused, and containers on one host (same
+    hostname with host networking) have their own pid namespaces.
+    """
+    try:
+        pid_ns = os.readlink("/proc/self/ns/pid")
+    except OSError:
+        pid_ns = None
+    pid = os.getpid()
+    return {"host": socket.gethostname(), "pid": pid, "pid_ns": pid_ns,
+            "boot_id": _read("/proc/sys/kernel/random/boot_id"), "start": _start_ticks(pid)}
+
+
+def process_alive(ident: dict[str, Any] | None) -> bool | None:
+    """True/False when `ident` can be checked from here, None when it cannot."""
+    if not ident or ident.get("start") is None:
+        return None
+    here = process_identity()
+    if any(ident.get(k) != here[k] for k in ("host", "pid_ns", "boot_id")):
+        return None
+    return _start_ticks(int(ident["pid"])) == ident["start"]

@@ -24,9 +24,9 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from .cpu_build import NAMES as CPU_BUILDS
-from .errors import PreflightError
-from .layout import MANIFEST_JSON, RUN_JSON, Storage, atomic_write, json_temp_name, link_target, manifest_name
+from eagle3_extract.cpu_build import NAMES as CPU_BUILDS
+from eagle3_extract.errors import PreflightError
+from eagle3_extract.layout import MANIFEST_JSON, RUN_JSON, Storage, atomic_write, json_temp_name, link_target, manifest_name
 
 FORMAT_VERSION = 1
 LAYER_CONVENTION = ("vllm: id k = residual stream entering decoder layer k; "
@@ -150,7 +150,7 @@ def dataset_identity(ds: Any, max_length: int) -> dict[str, Any]:
     """What selects and shapes the samples. Local files and folders by content, hub
     datasets by the commit the hub cache resolved (a dataset updated upstream is another
     dataset: its tokenized set and its run are new)."""
-    from .hub import dataset_revision
+    from eagle3_extract.hub import dataset_revision
 
     path = Path(str(ds.path)).expanduser()
     source: dict[str, Any]
@@ -267,7 +267,7 @@ class RunManifests:
 def read_manifests(root: Path) -> RunManifests:
     """The manifests in `root` (a symbolic link where one belongs is never read: the
     layout scans name it)."""
-    from .layout import MANIFEST_RE
+    from eagle3_extract.layout import MANIFEST_RE
 
     run = RunManifests({}, {}, {}, [])
     paths = sorted((Path(e.path) for e in os.scandir(root)

@@ -30,8 +30,8 @@ import tempfile
 from datetime import datetime, timezone
 from pathlib import Path
 
-from .cpu_build import NAMES as CPU_BUILDS
-from .layout import atomic_write
+from eagle3_extract.cpu_build import NAMES as CPU_BUILDS
+from eagle3_extract.layout import atomic_write
 
 REPO_PATCHES = Path(__file__).resolve().parents[2] / "patches"
 MANIFEST = "speculators/_eagle3_patches.json"

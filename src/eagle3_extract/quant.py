@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from .layout import SCALES_KEY, STATES_KEY, Storage  # noqa: F401 - re-exported
+from eagle3_extract.layout import SCALES_KEY, STATES_KEY, Storage  # noqa: F401 - re-exported
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8).max)  # 448

@@ -19,7 +19,7 @@ from vllm.distributed import (  # noqa: E402
 from vllm.engine.arg_utils import EngineArgs  # noqa: E402
 from vllm.model_executor.models.kimi_k25 import KimiK25ForConditionalGeneration  # noqa: E402
 
-from eagle3_extract.tiny import tiny_config_path  # noqa: E402
+from eagle3_extract.models.tiny import tiny_config_path  # noqa: E402
 
 ds = json.loads(tiny_config_path("deepseek_v3").read_text())
 d = Path(tempfile.mkdtemp())

@@ -8,7 +8,7 @@ the other way round.
 
 from __future__ import annotations
 
-from ..model import ModelInfo, inspect_model  # noqa: F401 - the engines' input
+from eagle3_extract.models.config import ModelInfo, inspect_model  # noqa: F401 - the engines' input
 
 
 def default_layer_ids(num_layers: int) -> list[int]:

@@ -14,11 +14,11 @@ from typing import Any
 
 import torch
 
-from ..layout import Storage
-from ..quant import quantize
-from ..types import Batch, ExtractedBatch
-from . import ModelInfo
-from .layers import attach_capture, find_decoder_layers
+from eagle3_extract.layout import Storage
+from eagle3_extract.quant import quantize
+from eagle3_extract.types import Batch, ExtractedBatch
+from eagle3_extract.engine import ModelInfo
+from eagle3_extract.engine.layers import attach_capture, find_decoder_layers
 
 
 class HFEngine:

@@ -17,7 +17,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from ..quant import FP8_CHUNK_ROWS
+from eagle3_extract.quant import FP8_CHUNK_ROWS
 
 log = logging.getLogger(__name__)
 

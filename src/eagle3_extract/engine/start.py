@@ -19,9 +19,9 @@ import threading
 import time
 from typing import Any
 
-from ..layout import Storage
-from ..model import ModelInfo
-from ..types import Engine
+from eagle3_extract.layout import Storage
+from eagle3_extract.models.config import ModelInfo
+from eagle3_extract.types import Engine
 
 log = logging.getLogger(__name__)
 
@@ -47,11 +47,11 @@ def build_engine(cfg: Any, info: ModelInfo, layer_ids: list[int],
     cfg.output, for callers without a plan)."""
     name = cfg.engine.name
     if name == "hf":
-        from .hf import HFEngine
+        from eagle3_extract.engine.hf import HFEngine
 
         return HFEngine(cfg, info, layer_ids, storage)
     if name == "vllm":
-        from .vllm import VllmEngine
+        from eagle3_extract.engine.vllm import VllmEngine
 
         return VllmEngine(cfg, info, layer_ids, storage)
     raise ValueError(f"engine={name!r}: choose engine=vllm or engine=hf")
@@ -129,7 +129,7 @@ class EngineStart:
 def _started_since(since_ticks: int) -> list[int]:
     """This process's descendants started after `since_ticks` (the engine start's: not
     the job's watcher, nor what this process started before)."""
-    from .. import shm_watch
+    from eagle3_extract import shm_watch
 
     return sorted(p for p in shm_watch.descendants(os.getpid()) if not shm_watch._is_watcher(p)
                   and (shm_watch._start_time(p) or 0) >= since_ticks - 1)

@@ -26,11 +26,11 @@ from typing import Any
 
 import torch
 
-from ..layout import Storage
-from ..types import Batch, ExtractedBatch
-from . import ModelInfo, hostbuf
-from .memory import CAPTURE_SLACK_ROWS, capture_plan
-from .worker import QUALNAME
+from eagle3_extract.layout import Storage
+from eagle3_extract.types import Batch, ExtractedBatch
+from eagle3_extract.engine import ModelInfo, hostbuf
+from eagle3_extract.engine.memory import CAPTURE_SLACK_ROWS, capture_plan
+from eagle3_extract.engine.worker import QUALNAME
 
 # A call's device-to-host copy takes milliseconds; this long without its ready mark means
 # a worker is gone.
@@ -107,8 +107,8 @@ def engine_args(cfg: Any, info: ModelInfo) -> dict[str, Any]:
 def check_cpu_build() -> None:
     """Refuse a vLLM CPU build this host cannot run (a .venv made on another machine, a
     forced CPU_BUILD): it would die at the first forward pass, after the model loaded."""
-    from ..cpu_build import check_installed
-    from ..errors import PreflightError
+    from eagle3_extract.cpu_build import check_installed
+    from eagle3_extract.errors import PreflightError
 
     problem = check_installed()
     if problem:
@@ -125,7 +125,7 @@ def check_vllm_args(cfg: Any, fixed: dict[str, Any] = FIXED_ARGS) -> dict[str, A
 
     from omegaconf import OmegaConf
 
-    from ..config import ConfigError
+    from eagle3_extract.config import ConfigError
 
     check_cpu_build()  # before importing vLLM: a build for another CPU may not even load
     from vllm.engine.arg_utils import EngineArgs

@@ -21,9 +21,9 @@ import logging
 
 import torch
 
-from ..quant import FP8, quantize_into
-from . import hostbuf, resolve_layer_ids
-from .layers import find_decoder_layers, residual_stream
+from eagle3_extract.quant import FP8, quantize_into
+from eagle3_extract.engine import hostbuf, resolve_layer_ids
+from eagle3_extract.engine.layers import find_decoder_layers, residual_stream
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,1 @@
+"""The drafter from an extraction: speculators' layout, training, acceptance."""

@@ -1,0 +1,1 @@
+"""Model configs and the test models made without a network (tiny, SmolLM2)."""
