@@ -25,6 +25,8 @@ from pathlib import Path
 
 from dp_preflight import write_rows
 
+from eagle3_extract.layout import MANIFEST_JSON
+
 
 
 def run_job(dataset: Path, out: Path, early: bool, max_length: int, extra: list[str],
@@ -46,7 +48,7 @@ def run_job(dataset: Path, out: Path, early: bool, max_length: int, extra: list[
     wall = time.perf_counter() - t0
     if r.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)} exited {r.returncode}:\n{r.stderr[-3000:]}")
-    m = json.loads((out / "manifest.json").read_text())
+    m = json.loads((out / MANIFEST_JSON).read_text())
     return {"early": early, "wall_s": round(wall, 2), **m["timings"],
             "samples": m["counts"]["samples"], "tokens": m["tokens"]["total"]}
 

@@ -35,6 +35,7 @@ import torch
 
 from eagle3_extract.engine import inspect_model, resolve_layer_ids
 from eagle3_extract.engine.start import build_engine
+from eagle3_extract.layout import STATES_KEY
 from eagle3_extract.models.config import read_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -149,7 +150,7 @@ def check_files(root: Path, batches: list, layers: int, hidden: int) -> dict:
     if len(files) != want:
         raise RuntimeError(f"{len(files)} files under {root}, expected {want}")
     with safe_open(str(files[0]), "pt") as f:
-        shape = list(f.get_slice("hidden_states").get_shape())
+        shape = list(f.get_slice(STATES_KEY).get_shape())
     if shape[1:] != [layers, hidden]:
         raise RuntimeError(f"{files[0]}: hidden_states {shape}, expected [T, {layers}, {hidden}]")
     return {"count": len(files), "sizes": [p.stat().st_size for p in files],

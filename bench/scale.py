@@ -31,6 +31,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
+from eagle3_extract.layout import RUN_JSON  # noqa: E402  (after the path above)
 
 WORDS = ("the model reads every token of a long conversation and the draft learns to "
          "guess what comes next from three layers of its hidden state while vLLM serves "
@@ -90,7 +91,7 @@ def write_files(out: Path, files: int) -> None:
     from eagle3_extract.types import Sample
     from eagle3_extract.extract.writer import write_sample
 
-    run_id = json.loads((out / "run.json").read_text())["run_id"]
+    run_id = json.loads((out / RUN_JSON).read_text())["run_id"]
     first = sample_path(out, 0, 10000, "safetensors")
     ids = list(range(1, 33))
     write_sample(first, Sample(0, ids, [0] * 16 + [1] * 16), torch.zeros(32, 4, 64,
@@ -128,7 +129,7 @@ def main() -> None:
     print(f"dataset {dataset} ({dataset.stat().st_size / 1e6:.0f} MB, {args.rows:,} rows) "
           f"in {time.perf_counter() - t:.0f} s", flush=True)
     out = args.out / "run"
-    if not (out / "run.json").exists():  # the run identity, from a dry run of a small shard
+    if not (out / RUN_JSON).exists():  # the run identity, from a dry run of a small shard
         run_job(job_args(dataset, out, 0, max(args.shards)))
     existing = sum(1 for _ in out.rglob("*.safetensors"))
     if existing < args.files:

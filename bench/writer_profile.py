@@ -25,6 +25,7 @@ import torch
 import phases
 from eagle3_extract.types import ExtractedBatch, Sample
 from eagle3_extract.extract.writer import check_invariants, write_sample
+from eagle3_extract.layout import INPUT_IDS_KEY, LOSS_MASK_KEY, STATES_KEY
 
 
 def median_s(fn, reps: int) -> float:
@@ -45,7 +46,7 @@ def steps(states: torch.Tensor, sample: Sample, root: Path, reps: int) -> dict:
     path = root / "one.safetensors"
     ids = torch.tensor(sample.input_ids)
     mask = torch.tensor(sample.loss_mask, dtype=torch.uint8)
-    tensors = {"input_ids": ids, "loss_mask": mask, "hidden_states": states}
+    tensors = {INPUT_IDS_KEY: ids, LOSS_MASK_KEY: mask, STATES_KEY: states}
     raw = states.view(torch.uint8).numpy()
 
     def fsync_file() -> None:

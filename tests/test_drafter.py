@@ -23,8 +23,13 @@ TRAIN_PY = ROOT / ".venv-train" / "bin" / "python"
 pytestmark = [pytest.mark.engine, pytest.mark.trainer]
 
 
+# the commands these tests run, by the name they go by here
+MODULES = {"cli": "eagle3_extract.cli", "train": "eagle3_extract.drafter.train",
+           "acceptance": "eagle3_extract.drafter.acceptance"}
+
+
 def cli(module: str, *args: str, check: bool = True) -> subprocess.CompletedProcess:
-    r = subprocess.run([sys.executable, "-m", f"eagle3_extract.{module}", *args],
+    r = subprocess.run([sys.executable, "-m", MODULES[module], *args],
                        capture_output=True, text=True, cwd=ROOT,
                        env={**__import__("os").environ, "HF_HUB_OFFLINE": "1"})
     if check and r.returncode:
@@ -239,7 +244,7 @@ def test_sigkill_of_the_main_process_leaves_nothing_running(trained, module, tmp
         t0 = time.monotonic()
         ready = lambda names: time.monotonic() - t0 > 10  # noqa: E731 - loaded, generating
     with open(tmp_path / "log", "w") as log:
-        proc = subprocess.Popen([sys.executable, "-m", f"eagle3_extract.{module}", *args],
+        proc = subprocess.Popen([sys.executable, "-m", MODULES[module], *args],
                                 cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
                                 env={**__import__("os").environ, "HF_HUB_OFFLINE": "1"})
         try:

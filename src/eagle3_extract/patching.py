@@ -21,7 +21,6 @@ import hashlib
 import importlib.metadata as md
 import importlib.util
 import json
-import os
 import re
 import shutil
 import subprocess
@@ -166,9 +165,9 @@ def apply(target: Path, patches: Path) -> str:
         for p in series:  # dry run of the whole series, in order
             _patch(p, scratch)
         for f in files:  # every hunk applied: now replace the installed files
-            tmp_dst = target / (f + ".eagle3-tmp")
-            shutil.copy2(scratch / f, tmp_dst)
-            os.replace(tmp_dst, target / f)
+            with atomic_write(target / f) as out:
+                out.write((scratch / f).read_bytes())
+            shutil.copymode(scratch / f, target / f)
     manifest = {
         "series": [{"name": p.name, "sha256": sha256(p.read_bytes())} for p in series],
         "series_sha256": series_hash(patches),

@@ -505,10 +505,10 @@ class Tokenized:
         """Write to directory `path` (one .npy per array, token ids as int32), `meta`
         (the run identity it was made under) beside them; complete or absent."""
         import shutil
-        import uuid
 
-        # pid alone is not unique: pods of a Kubernetes Job often all run as pid 1
-        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+        from eagle3_extract.layout import temp_path
+
+        tmp = temp_path(path)  # pid and a random tag: pods of a k8s Job are often all pid 1
         tmp.mkdir(parents=True)
         try:
             for name in self._ARRAYS:

@@ -38,6 +38,11 @@ from eagle3_extract.manifest import write_json_atomic
 CONTROL_MARK = "e2e_control"  # sample metadata: the last layer was replaced by its post-norm
 
 
+# the chain's steps: the command each runs
+STEPS = {"regenerate": "eagle3_extract.regenerate.job", "cli": "eagle3_extract.cli",
+         "train": "eagle3_extract.drafter.train", "acceptance": "eagle3_extract.drafter.acceptance"}
+
+
 class Lane:
     """Where a chain's steps run: the environment (its cores) and, beside other chains,
     a log file for their output instead of the console."""
@@ -46,7 +51,7 @@ class Lane:
         self.env, self.log = env, log
 
     def step(self, module: str, *overrides: str) -> None:
-        cmd = [sys.executable, "-m", f"eagle3_extract.{module}", *overrides]
+        cmd = [sys.executable, "-m", STEPS[module], *overrides]
         where = f" (log {self.log})" if self.log else ""
         print(f"e2e: {module} {' '.join(overrides)}{where}", flush=True)
         if self.log:

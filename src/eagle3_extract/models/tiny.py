@@ -11,9 +11,10 @@ import hashlib
 import json
 import os
 import shutil
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
+
+from eagle3_extract.layout import temp_path
 
 ASSETS = Path(__file__).resolve().parents[1] / "assets"
 TOKENIZER_DIR = ASSETS / "tokenizer"
@@ -55,7 +56,8 @@ def build_once(out: Path, make: Callable[[Path], None]) -> Path:
     if (out / "model.safetensors").exists() or (out / "model.safetensors.index.json").exists():
         return out  # one file, or the shards save_pretrained writes for a larger model
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    tmp = temp_path(out)  # the package's one temp rule: pid and a random tag
+    tmp.mkdir()
     try:
         make(tmp)
         try:
