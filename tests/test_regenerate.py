@@ -250,7 +250,7 @@ def test_reasoning_and_tool_rows_round_trip_through_extraction(thinking_model, t
     model generated, and the weight-0 tool call is context."""
     from transformers import AutoTokenizer
 
-    from eagle3_extract.regenerate.job import job as regenerate
+    from eagle3_extract.regenerate import job as regenerate
     from eagle3_extract.extract.job import run as extract
 
     llm, cfg = _llm(str(thinking_model), 512)
