@@ -78,7 +78,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 def _measure(llm, tok, cfg, rows: list, args: argparse.Namespace) -> tuple[dict, bool]:
     """Both paths over the same prompts and SamplingParams, alternating, after a warm-up."""
-    from eagle3_extract.dataset.samples import to_messages
+    from eagle3_extract.dataset.messages import to_messages
     from eagle3_extract.regenerate.generation import Pending, Regenerator, plan_turns
 
     max_model_len = int(cfg.model.max_model_len)
@@ -129,7 +129,7 @@ def main(argv: list[str] | None = None) -> dict:
     from transformers import AutoTokenizer
 
     from eagle3_extract.config import conf_dir
-    from eagle3_extract.dataset.samples import Renderer
+    from eagle3_extract.dataset.render import Renderer
     from eagle3_extract.models.config import inspect_model
     from eagle3_extract.regenerate.generation import build_llm, close_llm
 

@@ -1,4 +1,4 @@
-"""data.py: rows -> tokenized samples, loss masks, skip reasons, seeded identity.
+"""dataset/ (messages, render, samples): rows -> tokenized samples, loss masks, skip reasons, seeded identity.
 
 All with the committed tokenizer and its real chat template (no engine needed).
 """
@@ -15,14 +15,9 @@ from omegaconf import OmegaConf
 
 from eagle3_extract.config import ASSETS, PreflightError
 from eagle3_extract.dataset.rows import read_rows
-from eagle3_extract.dataset.samples import (
-    SKIP_REASONS,
-    Renderer,
-    build_dataset,
-    seeded_order,
-    to_messages,
-    tokenize_rows,
-)
+from eagle3_extract.dataset.messages import SKIP_REASONS, to_messages
+from eagle3_extract.dataset.render import Renderer
+from eagle3_extract.dataset.samples import build_dataset, seeded_order, tokenize_rows
 
 SAMPLE = ASSETS / "sample" / "conversations.jsonl"
 

@@ -24,7 +24,8 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 from eagle3_extract.config import ASSETS, conf_dir
-from eagle3_extract.dataset.samples import Renderer, to_messages
+from eagle3_extract.dataset.render import Renderer
+from eagle3_extract.dataset.messages import to_messages
 from eagle3_extract.regenerate.generation import Regenerator, close_llm, plan_turns, request_seed
 from eagle3_extract.regenerate.job import CONVERSATIONS, PARTS
 from test_rows import REASONING, THINKING_TEMPLATE, TOOLS

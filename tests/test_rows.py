@@ -17,7 +17,9 @@ import pytest
 from omegaconf import OmegaConf
 
 from eagle3_extract.config import ASSETS
-from eagle3_extract.dataset.samples import Renderer, build_dataset, to_messages
+from eagle3_extract.dataset.render import Renderer
+from eagle3_extract.dataset.samples import build_dataset
+from eagle3_extract.dataset.messages import to_messages
 from eagle3_extract.dataset.rows import read_rows
 
 THINKING_TEMPLATE = (

@@ -11,7 +11,9 @@ import json
 import pytest
 
 from eagle3_extract.config import ASSETS
-from eagle3_extract.dataset.samples import SPECIAL_TEXT, Renderer, SkipRow, tokenize_rows
+from eagle3_extract.dataset.messages import SPECIAL_TEXT, SkipRow
+from eagle3_extract.dataset.render import Renderer
+from eagle3_extract.dataset.samples import tokenize_rows
 
 KIMI_LIKE = (  # Kimi-K2.5's shape: role tokens, <|im_middle|> before the text, <|im_end|>
     "{% for m in messages %}{% if m['role'] == 'system' %}<|im_system|>system"

@@ -389,7 +389,8 @@ def dataset_check(cfg: Any, info: Any, samples: dict[int, Sample]) -> dict[str, 
     """
     try:
         from eagle3_extract.config import max_length
-        from eagle3_extract.dataset.samples import Renderer, load_tokenizer, seeded_order, tokenize_rows
+        from eagle3_extract.dataset.render import Renderer
+        from eagle3_extract.dataset.samples import load_tokenizer, seeded_order, tokenize_rows
         from eagle3_extract.dataset.rows import read_nonempty
 
         ds = cfg.dataset

@@ -1,8 +1,8 @@
 """A dataset file (or hub dataset) -> its rows, in file order.
 
 Rows are what the file holds, unjudged: a line that is not JSON or not UTF-8 keeps its
-place as a Malformed (samples.py skips and counts it). A plain .jsonl file's rows are parsed
-when read (JsonlRows): a job over a million conversations keeps offsets, not dicts.
+place as a Malformed (messages.py skips it, samples.py counts it). A plain .jsonl
+file's rows are parsed when read (JsonlRows): a job over a million conversations keeps offsets, not dicts.
 """
 
 from __future__ import annotations

@@ -7,11 +7,12 @@ again for the same rows. So a shard's `Tokenized` is kept under
 everything that determines it: the dataset (its bytes' sha256, or hub name, config,
 files and split), max_samples, seed, shuffle, max length, overlong policy, the
 tokenizer's files, the chat template, the shard, and the code that renders
-(samples.py's own bytes). Written once, atomically (a temp dir renamed; a second writer
-of the same key keeps the first's), with the xxh3-128 of every array in its meta;
-read back only when every array hashes to what was written, else rebuilt, with a
-warning. `rm -rf ~/.cache/eagle3-extract/tokenized` clears it; EAGLE3_TOKENIZED_CACHE
-names another directory, or `off` (benchmarks that time tokenizing set it).
+(the bytes of RENDERING_CODE: this folder's modules that turn rows into samples).
+Written once, atomically (a temp dir renamed; a second writer of the same key keeps the
+first's), with the xxh3-128 of every array in its meta; read back only when every
+array hashes to what was written, else rebuilt, with a warning.
+`rm -rf ~/.cache/eagle3-extract/tokenized` clears it; EAGLE3_TOKENIZED_CACHE names another
+directory, or `off` (benchmarks that time tokenizing set it).
 """
 
 from __future__ import annotations
@@ -59,9 +60,13 @@ def tokenizer_identity(path: str) -> dict[str, Any]:
     return {"files": files} if files else {"name": str(path)}
 
 
+# the modules whose code decides a row's tokens and mask: a change to any makes a new key
+RENDERING_CODE = ("rows.py", "messages.py", "render.py", "samples.py")
+
+
 def key_of(dataset: dict[str, Any], tokenizer: dict[str, Any], template_sha256: str,
            shard: tuple[int, int]) -> str:
-    code = file_sha256(Path(__file__).with_name("samples.py"))
+    code = [file_sha256(Path(__file__).with_name(f)) for f in RENDERING_CODE]
     ident = {"format": FORMAT, "dataset": dataset, "tokenizer": tokenizer,
              "chat_template_sha256": template_sha256, "shard": list(shard), "code": code}
     return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:24]

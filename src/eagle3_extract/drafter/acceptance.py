@@ -267,7 +267,9 @@ class Plan:
 
 def _prompts(cfg: Any, tokenizer: Any) -> list[list[int]]:
     """Each row's conversation up to its last user turn, with the generation prompt."""
-    from eagle3_extract.dataset.samples import Renderer, SkipRow, seeded_order, to_messages
+    from eagle3_extract.dataset.render import Renderer
+    from eagle3_extract.dataset.messages import SkipRow, to_messages
+    from eagle3_extract.dataset.samples import seeded_order
     from eagle3_extract.dataset.rows import read_nonempty
 
     renderer = Renderer(tokenizer)

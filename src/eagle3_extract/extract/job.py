@@ -30,7 +30,8 @@ from eagle3_extract.dataset import token_freq
 from eagle3_extract.dataset.batching import iter_batches, plan_batches, shard_owner, todo_mask
 from eagle3_extract.config import ConfigError, PreflightError, max_length, validate
 from eagle3_extract.errors import Interrupted, JobError, raise_interrupted
-from eagle3_extract.dataset.samples import Renderer, Tokenized, build_dataset, load_tokenizer
+from eagle3_extract.dataset.render import Renderer
+from eagle3_extract.dataset.samples import Tokenized, build_dataset, load_tokenizer
 from eagle3_extract.dataset.rows import read_nonempty
 from eagle3_extract.lock import ShardLock
 from eagle3_extract.layout import (

@@ -17,7 +17,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from eagle3_extract.config import ConfigError, PreflightError
-from eagle3_extract.dataset.samples import REGENERATED_TURNS, SKIP_REASONS, WEIGHT_KEY, Renderer, SkipRow, to_messages
+from eagle3_extract.dataset.messages import (REGENERATED_TURNS, SKIP_REASONS, WEIGHT_KEY, SkipRow,
+                                             to_messages)
+from eagle3_extract.dataset.render import Renderer
 
 log = logging.getLogger("eagle3_extract")
 

@@ -37,13 +37,9 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from eagle3_extract.config import PreflightError, validate_regenerate
-from eagle3_extract.dataset.samples import (
-    GENERATED_KEY,
-    REGENERATED_TURNS,
-    Renderer,
-    load_tokenizer,
-    seeded_order,
-)
+from eagle3_extract.dataset.messages import GENERATED_KEY, REGENERATED_TURNS
+from eagle3_extract.dataset.render import Renderer
+from eagle3_extract.dataset.samples import load_tokenizer, seeded_order
 from eagle3_extract.errors import Interrupted, raise_interrupted
 from eagle3_extract.regenerate.generation import OUTCOMES, Regenerator, build_llm, close_llm, make_reasoning_parser
 from eagle3_extract.lock import ShardLock
