@@ -15,8 +15,7 @@ from eagle3_extract.hydra_app import hydra_main, run_guarded
 
 
 def _extract(cfg: DictConfig) -> None:
-    from eagle3_extract.extract import job
-    from eagle3_extract.extract import parallel
+    from eagle3_extract.extract import job, parallel
 
     if int(cfg.parallel.data_parallel_size) > 1:
         rc = parallel.launch_hydra_job(cfg)
