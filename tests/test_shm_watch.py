@@ -117,3 +117,26 @@ def test_sigkill_of_the_main_process_alone_ends_its_processes(tmp_path):
     left = sigkill_main_leaves_nothing(proc, lambda names: time.monotonic() - t0 > 2.5)
     assert not left, f"outlived the job: {left}"
     assert not [p for p in paths if p.exists()]
+
+
+def test_remove_unused_keeps_what_a_process_maps_and_unlinks_the_rest(tmp_path):
+    """What an engine's close uses for the files only its workers mapped (vLLM's CPU
+    communicators' cpushm_*): a worker ended before its own cleanup leaves them."""
+    name = f"eagle3-test-{os.getpid()}-{time.monotonic_ns()}"
+    path = shm_watch.SHM / name
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import mmap, os, sys, time\n"
+        f"fd = os.open({str(path)!r}, os.O_CREAT | os.O_RDWR, 0o600)\n"
+        "os.ftruncate(fd, 4096); m = mmap.mmap(fd, 4096); os.close(fd)\n"
+        "print('mapped', flush=True); time.sleep(600)\n")], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "mapped"
+        noted = shm_watch.shm_inodes_of(holder.pid)
+        assert os.stat(path).st_ino in noted
+        assert shm_watch.remove_unused(noted) == [] and path.exists()  # still mapped
+        holder.kill()
+        holder.wait()
+        assert shm_watch.remove_unused(noted) == [str(path)] and not path.exists()
+    finally:
+        holder.kill()
+        path.unlink(missing_ok=True)

@@ -183,6 +183,12 @@ def watch(main_pid: int, main_start: int | None) -> list[str]:
                 for p in alive:
                     _signal(p, signal.SIGKILL if waited >= KILL_AFTER_S else signal.SIGTERM)
         time.sleep(POLL_S)
+    return remove_unused(noted)
+
+
+def remove_unused(noted: set[int]) -> list[str]:
+    """Unlink the /dev/shm files among the `noted` inodes that no process maps or holds
+    open any more; return their paths."""
     left = {i: paths for i, paths in entries().items() if i in noted}
     if not left:
         return []

@@ -436,7 +436,23 @@ class VllmEngine:
         self.abort()
         executor = self.__dict__.pop("executor", None)
         if executor is not None:
+            from eagle3_extract import shm_watch
+
+            # What only the workers map (vLLM's CPU communicators' cpushm files): a worker
+            # ended before its own cleanup (shutdown's kill, under load) leaves them, and a
+            # Hydra multirun starts the next engine in this same process.
+            mine = shm_watch.shm_inodes_of(os.getpid())
+            maps = {p: shm_watch.shm_inodes_of(p) for p in shm_watch.descendants(os.getpid())}
+            workers = set().union(*maps.values()) - mine
             executor.shutdown()
+            deadline = time.monotonic() + 5.0  # a worker still exiting maps them yet
+            while (any(shm_watch.shm_inodes_of(p) & workers for p in maps)
+                   and time.monotonic() < deadline):
+                time.sleep(0.1)
+            left = shm_watch.remove_unused(workers)
+            if left:
+                logging.getLogger(__name__).debug("removed what the engine's workers left "
+                                                  "in /dev/shm: %s", left)
             # The uni-process executor initialises torch.distributed in this
             # process; tear it down so the next engine (Hydra multirun) starts clean.
             from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
