@@ -91,6 +91,9 @@ def test_a_second_job_on_a_live_shard_is_refused_and_touches_nothing(tmp_path):
     out = tmp_path / "out"
     holder = hold(out, 0, 2)
     try:
+        # the live job claimed the run identity first (a disjoint shard's dry run makes it)
+        assert run_cli(*HF, f"output.dir={out}", "shard.count=2", "shard.index=1",
+                       "dry_run=true").returncode == 0
         temp = out / "data" / "00000" / f".000000000.safetensors.tmp-{holder.pid}"
         temp.parent.mkdir(parents=True)
         temp.write_bytes(b"a live job's write in progress")

@@ -226,7 +226,11 @@ def split_into_shards(root: Path, count: int = 2) -> None:
                  "tokens": {"total": len(ids), "loss": int(mask.sum())}}
         (root / f"manifest.{name}.json").write_text(json.dumps(shard))
     (root / "manifest.json").rename(root / "old-manifest.json.bak")
-    (root / "token_freq.json").unlink()
+    from eagle3_extract.dataset.token_freq import merge
+
+    shards = [json.loads((root / f"token_freq.shard-{k:05d}-of-{count:05d}.json").read_text())
+              for k in range(count)]
+    (root / "token_freq.json").write_text(json.dumps(merge(shards)))  # the last shard's merge
 
 
 def test_sharded_run_and_a_missing_shard_manifest(copy):

@@ -9,6 +9,7 @@ value checks (allowed choices, ranges) with messages that name the key to change
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import tempfile
@@ -259,20 +260,28 @@ def _abspath(p: str) -> str:
     return os.path.abspath(os.path.expanduser(str(p)))
 
 
+@functools.lru_cache(maxsize=None)
 def _logdir(out_dir: str) -> str:
-    """`<output.dir>/logs`, or a temp dir when that cannot be created.
+    """`<output.dir>/logs`, or a new private temp dir when that cannot be created or
+    output.dir is a folder of someone else's (layout.foreign_entries: nothing is made in
+    it; preflight refuses it).
 
-    Hydra creates its run dir before the job starts; an unwritable output.dir must
-    reach the job's preflight (clear message, exit 2), not crash Hydra first.
+    Hydra creates its run dir before the job starts; an unwritable or foreign output.dir
+    must reach the job's preflight (one line, exit 2), not crash Hydra first. The fallback
+    is made with mkdtemp (mode 0700, a new name): never a directory another user owns.
     """
-    want = Path(_abspath(out_dir)) / "logs"
+    from eagle3_extract.layout import LOGS_DIR, foreign_entries
+
+    root = Path(_abspath(out_dir))
+    want = root / LOGS_DIR
     try:
-        want.mkdir(parents=True, exist_ok=True)
-        if os.access(want, os.W_OK):
-            return str(want)
+        if not foreign_entries(root):
+            want.mkdir(parents=True, exist_ok=True)
+            if os.access(want, os.W_OK):
+                return str(want)
     except OSError:
         pass
-    return str(Path(tempfile.gettempdir()) / "eagle3-extract-logs")
+    return tempfile.mkdtemp(prefix="eagle3-extract-logs-")
 
 
 def _layers_name(ids: Any) -> str:

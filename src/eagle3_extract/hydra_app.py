@@ -58,6 +58,12 @@ def run_guarded(prog: str, fn: Any, cfg: DictConfig, interrupted: str) -> None:
         log_to_file(str(e))
         print(f"{prog}: {e}", file=sys.stderr, flush=True)
         sys.exit(e.exit_code)
+    except PermissionError as e:  # the environment, not the code: the path, in one line
+        msg = (f"{e.filename or '?'}: permission denied ({e.strerror or e}); fix its "
+               "permissions or choose another path")
+        log_to_file(msg)
+        print(f"{prog}: error: {msg}", file=sys.stderr, flush=True)
+        sys.exit(2)
 
 
 # Hydra's own flags; those that take a value take the next argument.
@@ -121,6 +127,7 @@ def config_problem(overrides: list[str], config_name: str = "config",
     try:
         with initialize_config_dir(str(conf_dir()), version_base="1.3"):
             cfg = compose(config_name, overrides=first)
+        unresolvable(cfg)
     except (HydraException, OmegaConfBaseException) as e:
         cause = e.__cause__ if e.__cause__ is not None else e
         msg = " ".join(str(cause).split("\n")[0].split())
@@ -136,6 +143,25 @@ def config_problem(overrides: list[str], config_name: str = "config",
         return (f"+{key}: {parent or 'the config'} has no key {leaf!r}; {hint}"
                 "(extra vLLM engine arguments go under +engine.vllm_args.<name>)")
     return None
+
+
+def unresolvable(cfg: Any) -> None:
+    """Raise the first interpolation of the job's config that cannot be resolved (an unset
+    `${oc.env:...}`, a key that does not exist): Hydra would resolve it later, for its run
+    dir, in a traceback. A value left `???` for the job to name is not one."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import InterpolationToMissingValueError, MissingMandatoryValue
+
+    def walk(node: Any) -> None:
+        for key in node.keys() if OmegaConf.is_dict(node) else range(len(node)):
+            try:
+                value = node[key]
+            except (InterpolationToMissingValueError, MissingMandatoryValue):
+                continue
+            if OmegaConf.is_config(value):
+                walk(value)
+
+    walk(cfg)
 
 
 def hydra_main(config_name: str, prog: str, task: Any) -> None:

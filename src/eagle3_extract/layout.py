@@ -101,6 +101,24 @@ class Storage:
 
 
 
+LOGS_DIR = "logs"  # Hydra's logs of each job in its output dir (conf/config.yaml)
+
+
+def foreign_entries(root: Path) -> list[str]:
+    """What in `root` says it is not a run directory of ours: every visible entry but
+    Hydra's `logs/`, unless `root` holds a `run.json` (written before any other file of a
+    run: manifest.claim_run_json). Our hidden files (temps, locks) are not counted; a
+    directory that does not exist or is empty has none. Names only, nothing followed."""
+    try:
+        entries = [e for e in os.scandir(root)]
+    except (FileNotFoundError, NotADirectoryError):  # to be made (or refused as unwritable)
+        return []
+    names = {e.name for e in entries}
+    if RUN_JSON in names and not (root / RUN_JSON).is_symlink():
+        return []
+    return sorted(n for n in names if not n.startswith(".") and n != LOGS_DIR)
+
+
 def manifest_name(shard_index: int, shard_count: int, stem: str = "manifest") -> str:
     """`manifest.json`, or one file per shard when shards share a directory."""
     if shard_count == 1:

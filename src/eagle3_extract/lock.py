@@ -23,7 +23,7 @@ import os
 import socket
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from eagle3_extract.errors import PreflightError
 
@@ -107,6 +107,36 @@ class ShardLock:
         if fd is not None:
             self.path.unlink(missing_ok=True)
             os.close(fd)
+
+
+def when_alone(root: Path, fn: Callable[[], Any]) -> Any:
+    """`fn()` under the guard lock when no other job holds a shard lock in `root` (this
+    process's own do not count); None otherwise. The guard serialises it with every
+    `ShardLock.acquire`, so no shard starts in between."""
+    locks = root / LOCK_DIR
+    if not locks.is_dir():
+        return fn()
+    guard = os.open(locks / "guard", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(guard, fcntl.LOCK_EX)
+        for other in locks.glob("shard-*.lock"):
+            try:
+                fd = os.open(other, os.O_RDWR)
+            except FileNotFoundError:
+                continue
+            try:
+                if _try_flock(fd):  # a dead job's
+                    continue
+                holder = json.loads(os.pread(fd, 4096, 0) or b"{}")
+            except ValueError:
+                return None
+            finally:
+                os.close(fd)
+            if (holder.get("host"), holder.get("pid")) != (socket.gethostname(), os.getpid()):
+                return None
+        return fn()
+    finally:
+        os.close(guard)
 
 
 # --- whose process wrote a manifest, and is it still there --------------------------

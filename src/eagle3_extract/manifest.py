@@ -26,7 +26,8 @@ from typing import Any
 
 from eagle3_extract.cpu_build import NAMES as CPU_BUILDS
 from eagle3_extract.errors import PreflightError
-from eagle3_extract.layout import MANIFEST_JSON, RUN_JSON, Storage, atomic_write, json_temp_name, link_target, manifest_name
+from eagle3_extract.layout import (MANIFEST_JSON, RUN_JSON, Storage, atomic_write, json_temp_name,
+                                   link_target, manifest_name, temp_path)
 
 FORMAT_VERSION = 1
 LAYER_CONVENTION = ("vllm: id k = residual stream entering decoder layer k; "
@@ -287,6 +288,52 @@ def read_manifests(root: Path) -> RunManifests:
     return run
 
 
+def missing_merge(root: Path, manifests: list[Manifest]) -> list[str]:
+    """The files a finished run merges from its shards (`token_freq.json` over several
+    shards, `vocab/` when output.draft_vocab_size is set) that are not there: what a kill
+    between the last shard's "complete" and its merge leaves. Rerunning any one shard of
+    the run finds every file done and writes them."""
+    from eagle3_extract.layout import D2T_NPY, T2D_NPY, TOKEN_FREQ_JSON, VOCAB_DIR
+
+    if not manifests:
+        return []
+    m = manifests[0]
+    missing = []
+    if m.shard_count > 1 and not (root / TOKEN_FREQ_JSON).is_file():
+        missing.append(TOKEN_FREQ_JSON)
+    size = ((m.config or {}).get("output") or {}).get("draft_vocab_size")
+    if size is not None and (m.model or {}).get("vocab_size", 1):
+        missing += [f"{VOCAB_DIR}/{n}" for n in (D2T_NPY, T2D_NPY)
+                    if not (root / VOCAB_DIR / n).is_file()]
+    return missing
+
+
+def merge_message(missing: list[str]) -> str:
+    return (f"every shard is complete but the merge is missing ({', '.join(missing)}): "
+            "rerun any one shard of the job with the same config (it finds every file "
+            "done and writes the merge)")
+
+
+def run_ids(root: Path, manifests: list[Manifest]) -> dict[str, list[str]]:
+    """run_id -> the files that name it (run.json and each shard manifest): more than one
+    is a directory holding two configs' data (left by a version before claim_run_json)."""
+    out: dict[str, list[str]] = {}
+    try:
+        out.setdefault(str(read_run_json(root).get("run_id")), []).append(RUN_JSON)
+    except (OSError, ValueError):
+        pass
+    for m in manifests:
+        out.setdefault(str(m.run_id), []).append(m.file_name)
+    return out
+
+
+def mixed_runs_message(ids: dict[str, list[str]]) -> str:
+    parts = "; ".join(f"{rid} in {', '.join(names[:3])}" for rid, names in ids.items())
+    return (f"this directory mixes {len(ids)} runs of different configs ({parts}): written "
+            "by an older eagle3-extract whose shards could start with different settings; "
+            "its data cannot be trusted: extract again into a new output.dir")
+
+
 def check_run_json(root: Path, ident: dict[str, Any]) -> bool:
     """True if `root` holds an earlier run of this identity (resume); raise if another."""
     path = root / RUN_JSON
@@ -310,6 +357,87 @@ def check_run_json(root: Path, ident: dict[str, Any]) -> bool:
 
 def write_run_json(root: Path, ident: dict[str, Any]) -> None:
     write_json_atomic(root / RUN_JSON, ident)
+
+
+def claim_run_json(root: Path, ident: dict[str, Any], wait_s: float = 10.0) -> bool:
+    """Fix `root`'s run identity, or check it: the one step every shard takes before it
+    writes a sample. Returns True when `root` already held this identity (resume), False
+    when this call created `run.json`; raises PreflightError when it holds another.
+
+    Creation is exclusive: the whole file is written under a temp name and hard-linked
+    to `run.json` (link(2) fails if the name exists), so of shards starting at the same
+    moment exactly one creates it and every other reads that one's whole file and is
+    checked against it. Where a filesystem has no hard links, `O_EXCL` creates it and a
+    reader waits (up to `wait_s`) for a just-created file to be whole.
+    """
+    path = root / RUN_JSON
+    if path.exists() or path.is_symlink():
+        return _check_claimed(root, ident, wait_s)
+    data = (json.dumps(ident, indent=2, default=str) + "\n").encode()
+    tmp = temp_path(path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            return _check_claimed(root, ident, wait_s)
+        except OSError:  # no hard links here (some FUSE and SMB mounts)
+            try:
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            except FileExistsError:
+                return _check_claimed(root, ident, wait_s)
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+    finally:
+        tmp.unlink(missing_ok=True)
+    return False
+
+
+def _check_claimed(root: Path, ident: dict[str, Any], wait_s: float) -> bool:
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            return check_run_json(root, ident)
+        except PreflightError as e:
+            fresh = "unreadable run.json" in str(e) and _age_s(root / RUN_JSON) < wait_s
+            if not fresh or time.monotonic() > deadline:  # not one being written now
+                raise
+            time.sleep(0.05)
+
+
+def _age_s(path: Path) -> float:
+    try:
+        return time.time() - path.stat().st_mtime
+    except OSError:
+        return float("inf")
+
+
+def retract_run_json(root: Path, ident: dict[str, Any]) -> bool:
+    """Undo this job's `claim_run_json` after its own preflight failed, when nothing of
+    the run exists yet (no manifest, no sample file) and no other shard holds a lock in
+    `root` (lock.py's guard serialises this with their start): a first attempt whose
+    dataset was unusable must not fix the identity for the corrected one."""
+    from eagle3_extract.layout import DATA_DIR, MANIFEST_RE
+    from eagle3_extract.lock import when_alone
+
+    def retract() -> bool:
+        if (any(MANIFEST_RE.match(e.name) for e in os.scandir(root))
+                or any((root / DATA_DIR).rglob("*"))):
+            return False
+        if read_run_json(root).get("run_id") != ident["run_id"]:
+            return False
+        (root / RUN_JSON).unlink()
+        return True
+
+    try:
+        return bool(when_alone(root, retract))
+    except (OSError, ValueError):
+        return False
 
 
 def package_versions() -> dict[str, str | None]:
@@ -365,6 +493,7 @@ def new_manifest(resolved_cfg: dict[str, Any], ident: dict[str, Any], info: Any,
             "hidden_size": info.hidden_size,
             "dtype": str(info.dtype).removeprefix("torch."),
             "config_sha256": info.config_sha256,
+            "vocab_size": getattr(info, "vocab_size", None),
         },
         output={"format": resolved_cfg["output"]["format"], "layout": layout},
         shard={"index": shard[0], "count": shard[1]},

@@ -6,14 +6,17 @@ reads it here, so all of them name the same run."""
 from __future__ import annotations
 
 import io
+import os
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from eagle3_extract.layout import safetensors_header
-from eagle3_extract.manifest import Manifest, read_manifests
+from eagle3_extract.layout import content_problem, safetensors_header
+from eagle3_extract.manifest import (Manifest, mixed_runs_message, read_manifests,
+                                     run_ids)
 
 
 @dataclass
@@ -83,6 +86,9 @@ def load_manifests(root: Path) -> tuple[list[Manifest], list[Problem]]:
             f"{others}); run shard.count={current} shard.index=<each of {todo}>: files "
             "already there are re-checked, not redone, then validate again"))
         return layouts[current], problems
+    ids = run_ids(root, layouts[current])
+    if len(ids) > 1:
+        problems.insert(0, Problem("dataset", "mixed_runs", mixed_runs_message(ids)))
     for c in sorted(set(layouts) - {current}):
         problems.append(Problem(
             "dataset", "stale_manifest", f"{names[c]} describe an earlier run with "
@@ -105,3 +111,48 @@ def complete_run(root: Path) -> tuple[list[Manifest], str | None]:
     if not_done:
         return manifests, f"shards {not_done} of shard.count={count} are not complete"
     return manifests, None
+
+
+class DamagedSample(Exception):
+    """A sample file that is not what its run wrote (one line: the file and why)."""
+
+
+def read_checked(path: Path, index: int, fmt: str, run_id: str | None
+                 ) -> tuple[dict[str, Any], dict[str, str], bool]:
+    """(tensors, metadata, whether it had a checksum) of one sample file, its bytes read
+    once and checked as they are loaded: the content checksum written with them, and in
+    safetensors' metadata its index and run. Raises DamagedSample."""
+    try:
+        with open(path, "rb", opener=lambda p, f: os.open(p, f | os.O_NOFOLLOW)) as fh:
+            data = fh.read()
+        why, had = content_problem(data, fmt)
+        if why is None:
+            tensors, meta = load_sample(path, fmt, data)
+    except PermissionError as e:
+        raise DamagedSample(f"{path}: cannot be read ({e.strerror}); fix its permissions") from e
+    except Exception as e:  # noqa: BLE001 - any failure to read or parse is the finding
+        raise DamagedSample(f"{path}: unreadable ({type(e).__name__}: {str(e)[:160]})") from e
+    if why:
+        raise DamagedSample(f"{path}: {why}")
+    if fmt == "safetensors":
+        if meta.get("sample_index") != str(index):
+            raise DamagedSample(f"{path}: holds sample {meta.get('sample_index')!r}, not {index}")
+        if run_id is not None and meta.get("run_id") != run_id:
+            raise DamagedSample(f"{path}: a file of run {meta.get('run_id')!r}, the manifests "
+                                f"say {run_id!r}")
+    return tensors, meta, had
+
+
+def missing_samples(manifests: list[Manifest], have: Iterable[int]) -> str | None:
+    """Why the sample files `have` are not every sample the manifests say was written,
+    or None: each shard's files against its count (and the indices where the manifests'
+    records are complete enough to name them)."""
+    have = set(have)
+    count = manifests[0].shard_count
+    for m in manifests:
+        mine = sorted(i for i in have if i % count == m.shard_index)
+        want = int((m.counts or {}).get("written", len(mine)))
+        if len(mine) != want:
+            return (f"shard {m.shard_index}/{count}: {want} samples written, {len(mine)} "
+                    "whole files found")
+    return None

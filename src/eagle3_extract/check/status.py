@@ -13,7 +13,8 @@ manifest that says `running` counts as failed when its process is gone (checked
 on the same host) or when it has not been updated for `--stale-after` seconds
 (a live job rewrites it every minute while it extracts).
 
-Exit status: 0 complete, 1 not complete, 2 not a run directory.
+Exit status: 0 complete, 1 not complete (a mix of runs or a missing merge included), 2 not a
+run directory or not readable.
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ from typing import Any
 
 from eagle3_extract.layout import links, verified_files
 from eagle3_extract.lock import process_alive
-from eagle3_extract.manifest import Manifest, read_manifests, read_run_json
+from eagle3_extract.manifest import (Manifest, merge_message, missing_merge, mixed_runs_message,
+                                     read_manifests, read_run_json, run_ids)
 
 STALE_AFTER_S = 3600.0
 
@@ -114,6 +116,9 @@ def collect(root: str | Path, stale_after: float = STALE_AFTER_S) -> dict[str, A
     root = Path(root)
     try:
         run = read_run_json(root)
+    except PermissionError as e:
+        raise NotARunDir(f"{e.filename or root}: cannot be read ({e.strerror}); fix its "
+                         "permissions") from e
     except (OSError, ValueError) as e:
         raise NotARunDir(f"{root}: no readable run.json ({e}); not an eagle3-extract output "
                          "dir, or its preflight never passed") from e
@@ -150,7 +155,12 @@ def collect(root: str | Path, stale_after: float = STALE_AFTER_S) -> dict[str, A
     linked = links(root)
     # the run now is the layout written last (manifest.RunManifests: validate's rule too)
     primary = next((p for p in partitions if p["current"]), None)
-    complete = bool(primary and primary["complete"]) and not linked
+    current = list(manifests.get(run_manifests.current, {}).values())
+    ids = run_ids(root, current)
+    mixed = mixed_runs_message(ids) if len(ids) > 1 else None
+    merge = missing_merge(root, current) if primary and primary["complete"] else []
+    complete = (bool(primary and primary["complete"]) and not linked and not mixed
+                and not merge)
     shards = primary["shards"] if primary else []
     states = [s["state"] for s in shards]
     done = len(files)
@@ -159,6 +169,8 @@ def collect(root: str | Path, stale_after: float = STALE_AFTER_S) -> dict[str, A
         "run_id": run.get("run_id"),
         "format": fmt,
         "complete": complete,
+        "mixed_runs": mixed,
+        "missing_merge": merge,
         "partitions": partitions,
         "totals": {
             "shards": len(shards),
@@ -194,6 +206,10 @@ def format_report(r: dict[str, Any]) -> str:
         f"{t['failed']} failed, {t['missing']} missing; samples {_frac(t['done'], t['samples'])}"
         f", tokens {_frac(t['tokens'], t['tokens_total'])}, {_gb(t['bytes'])}",
     ]
+    if r.get("mixed_runs"):
+        lines.append(f"  MIXED: {r['mixed_runs']}")
+    if r.get("missing_merge"):
+        lines.append(f"  {merge_message(r['missing_merge'])}")
     if t.get("damaged"):
         lines.append(f"  {t['damaged']} sample files are not whole (cut short or overwritten): "
                      "rerun the job to redo them")
@@ -233,7 +249,11 @@ def main(argv: list[str] | None = None) -> int:
                          f"its process cannot be checked from here (default {STALE_AFTER_S:.0f})")
     args = ap.parse_args(argv)
     try:
-        report = collect(args.dir, args.stale_after)
+        try:
+            report = collect(args.dir, args.stale_after)
+        except PermissionError as e:
+            raise NotARunDir(f"{e.filename or args.dir}: cannot be read ({e.strerror}); fix "
+                             "its permissions") from e
     except NotARunDir as e:
         print(f"eagle3-status: error: {e}", file=sys.stderr)
         return 2

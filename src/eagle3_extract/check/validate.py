@@ -54,7 +54,8 @@ from eagle3_extract.layout import (
     content_problem,
     link_target,
 )
-from eagle3_extract.manifest import Manifest, read_run_json, write_json_atomic
+from eagle3_extract.manifest import (Manifest, merge_message, missing_merge, read_run_json,
+                                     write_json_atomic)
 from eagle3_extract.quant import check_scales, dequantize, states_tensor  # noqa: F401 - re-exported
 from eagle3_extract.check.run_dir import Problem, load_manifests, load_sample
 from eagle3_extract.dataset.token_freq import TokenCounts
@@ -166,7 +167,13 @@ def scan_tree(root: Path, fmt: str, files_per_dir: int) -> tuple[dict[int, Path]
     found: dict[int, Path] = {}
     problems: list[Problem] = []
     data = root / DATA_DIR
-    for dirpath, dirnames, filenames in os.walk(root):
+
+    def unreadable(e: OSError) -> None:  # a folder os.walk cannot list: named, not "missing"
+        rel = os.path.relpath(e.filename or str(root), root)
+        problems.append(Problem(rel, "unreadable", f"cannot be read ({e.strerror}): its "
+                                "files are not checked; fix its permissions"))
+
+    for dirpath, dirnames, filenames in os.walk(root, onerror=unreadable):
         here = Path(dirpath)
         rel_dir = here.relative_to(root)
         if here == root:
@@ -595,7 +602,12 @@ def validate(root: str | Path, norm_tol: float = NORM_TOL, norm_errors: bool = T
     found, tree = scan_tree(root, exp.fmt, exp.files_per_dir)
     problems += tree
     counted = check_counts(root, manifests, exp, found)
+    if any(p.code == "unreadable" for p in tree):  # not missing: unread (named above)
+        counted = [p for p in counted if p.code not in ("count", "missing")]
     problems += counted
+    merge = missing_merge(root, manifests)
+    if merge and not any(p.code == "incomplete" for p in counted):
+        problems.append(Problem("dataset", "merge", merge_message(merge)))
     stats: list[FileStats] = []
     token_counts = TokenCounts()
     n_workers = workers or min(8, os.cpu_count() or 1)
@@ -705,8 +717,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-checksums", action="store_true",
                     help="skip the content checksums (hashing every byte of every file)")
     args = ap.parse_args(argv)
-    report = validate(args.dir, args.norm_tol, not args.norm_warn_only, args.workers,
-                      not args.no_checksums)
+    try:
+        report = validate(args.dir, args.norm_tol, not args.norm_warn_only, args.workers,
+                          not args.no_checksums)
+    except PermissionError as e:
+        print(f"eagle3-validate: error: {e.filename or args.dir}: cannot be read "
+              f"({e.strerror}); fix its permissions", file=sys.stderr)
+        return 2
     print_report(report)
     if not args.no_report and Path(args.dir).is_dir():
         path = write_report(Path(args.dir), REPORT_NAME, report)

@@ -48,6 +48,9 @@ SKIP_REASONS = (
     # message text spelling a special token where it cannot be kept as text (a slow
     # tokenizer; text the template changed so that it cannot be found in the render)
     "special_token_in_text",
+    # any other exception raised while reading, rendering or tokenizing one row (a
+    # tokenizer's, a template's, ours): the row is skipped with it, never the job
+    "row_error",
 )
 # A used row whose message text spells one of the tokenizer's special tokens: tokenized
 # as the text it is, never as the control token (report "special_token_text").

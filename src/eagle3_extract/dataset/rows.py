@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import mmap
+import re
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -113,14 +114,68 @@ def _blank(raw: bytes) -> bool:
         return False
 
 
+# An integer longer than this is not a number a chat row means (int() refuses past 4300
+# digits): the row is malformed, never a ValueError that ends the job.
+MAX_INT_DIGITS = 4000
+# `\ud800`..`\udfff` written as an escape: only such a line can decode to a lone surrogate
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+class _HugeInt(str):
+    """A JSON integer of more than MAX_INT_DIGITS digits, kept as its digits."""
+
+
+def _parse_int(digits: str) -> Any:
+    return int(digits) if len(digits) <= MAX_INT_DIGITS else _HugeInt(digits)
+
+
+def loads(text: str) -> Any:
+    """json.loads, with a too-long integer kept (as _HugeInt) for `value_problem` to
+    name. Raises json.JSONDecodeError and RecursionError (nesting past Python's limit)."""
+    return json.loads(text, parse_int=_parse_int)
+
+
+def value_problem(obj: Any) -> tuple[str, str] | None:
+    """(skip reason, detail) when a parsed row holds what no chat row can: a lone UTF-16
+    surrogate (not text: it has no UTF-8 form, and the tokenizer raises on it; also what
+    surrogateescape makes of bytes that are not UTF-8) or a too-long integer. Iterative:
+    a row nested as deep as json.loads allows is walked without recursion."""
+    stack = [obj]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, _HugeInt):
+            return "malformed_json", f"an integer of {len(x)} digits"
+        if isinstance(x, str):
+            if any("\ud800" <= c <= "\udfff" for c in x):
+                return "invalid_utf8", "a lone UTF-16 surrogate: not text"
+        elif isinstance(x, dict):
+            stack.extend(x.keys())
+            stack.extend(x.values())
+        elif isinstance(x, list):
+            stack.extend(x)
+    return None
+
+
 def _parse_line(raw: bytes, lineno: int) -> Any:
     line, bad = _decode(raw, lineno)
     if bad is not None:
         return bad
     try:
-        return json.loads(line)
+        row = loads(line)
     except json.JSONDecodeError as e:
         return Malformed(lineno, str(e))
+    except (RecursionError, ValueError) as e:  # nested deeper than json reads, ...
+        return Malformed(lineno, f"{type(e).__name__}: {str(e)[:160]}")
+    if isinstance(row, (dict, list)) and (_SURROGATE_ESCAPE.search(raw) or _has_huge(raw)):
+        found = value_problem(row)
+        if found:
+            return Malformed(lineno, found[1], found[0])
+    return row
+
+
+def _has_huge(raw: bytes) -> bool:
+    """Could the line hold a too-long integer? (A cheap test before walking the row.)"""
+    return len(raw) > MAX_INT_DIGITS and re.search(rb"\d{%d}" % (MAX_INT_DIGITS + 1), raw) is not None
 
 
 class JsonlRows(Sequence):
@@ -163,16 +218,6 @@ class JsonlRows(Sequence):
         return (JsonlRows, (self.path,))
 
 
-def _has_surrogate(obj: Any) -> bool:
-    if isinstance(obj, str):
-        return any("\udc80" <= c <= "\udcff" for c in obj)
-    if isinstance(obj, dict):
-        return any(_has_surrogate(k) or _has_surrogate(v) for k, v in obj.items())
-    if isinstance(obj, list):
-        return any(_has_surrogate(v) for v in obj)
-    return False
-
-
 def _read_json(path: Path) -> list[Any]:
     with _open_bytes(path) as f:
         raw = f.read()
@@ -182,19 +227,26 @@ def _read_json(path: Path) -> list[Any]:
     # holding them are skipped and counted, not the whole file.
     text = raw.decode("utf-8", errors="surrogateescape")
     try:
-        data = json.loads(text)
+        data = loads(text)
     except json.JSONDecodeError as e:
         raise PreflightError(
             f"dataset.path={str(path)!r} is not valid JSON ({e}); a .json dataset is one "
             "JSON list of rows (use .jsonl for one row per line)"
         ) from e
+    except RecursionError as e:  # one value, so one row nested too deep ends the file
+        raise PreflightError(
+            f"dataset.path={str(path)!r} nests deeper than Python's JSON reader goes; write "
+            "it as .jsonl (one row a line), where such a row is skipped and counted") from e
     if isinstance(data, dict):  # {"data": [...]} and similar single-key wrappers
         lists = [v for v in data.values() if isinstance(v, list)]
         data = lists[0] if len(lists) == 1 else data
     if not isinstance(data, list):
         raise PreflightError(f"dataset.path={str(path)!r}: expected a JSON list of rows")
-    return [Malformed(i, "not UTF-8", "invalid_utf8") if _has_surrogate(r) else r
-            for i, r in enumerate(data)]
+    out = []
+    for i, r in enumerate(data):
+        found = value_problem(r)
+        out.append(r if found is None else Malformed(i, found[1], found[0]))
+    return out
 
 
 def _read_file(path: Path, fmt: str) -> Sequence[Any]:

@@ -202,6 +202,12 @@ def _tokenize_span(rows: list[Any], order: list[int], positions: Any,
         except SkipRow as e:
             skips.append((index, row_no, SKIP_REASONS.index(e.reason), e.detail[:200]))
             continue
+        except MemoryError:  # the machine's, not the row's
+            raise
+        except Exception as e:  # noqa: BLE001 - one row never ends the job
+            skips.append((index, row_no, SKIP_REASONS.index("row_error"),
+                          f"{type(e).__name__}: {e}"[:200]))
+            continue
         flags.append(sum(b for k, b in NOTE_BITS.items() if k in notes))
         regen.append([notes.count(k) for k in REGENERATED_TURNS])
         indices.append(index)

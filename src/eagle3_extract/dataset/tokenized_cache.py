@@ -9,8 +9,8 @@ files and split), max_samples, seed, shuffle, max length, overlong policy, the
 tokenizer's files, the chat template, the shard, and the code that renders
 (the bytes of RENDERING_CODE: this folder's modules that turn rows into samples).
 Written once, atomically (a temp dir renamed; a second writer of the same key keeps the
-first's), with the xxh3-128 of every array in its meta; read back only when every
-array hashes to what was written, else rebuilt, with a warning.
+first's), with the xxh3-128 of every array and of the report (its counts) in its meta; read back
+only when every array and the report hash to what was written, else rebuilt, with a warning.
 `rm -rf ~/.cache/eagle3-extract/tokenized` clears it; EAGLE3_TOKENIZED_CACHE names another
 directory, or `off` (benchmarks that time tokenizing set it).
 """
@@ -32,7 +32,7 @@ from eagle3_extract.layout import content_checksum
 from eagle3_extract.manifest import file_sha256
 
 log = logging.getLogger("eagle3_extract")
-FORMAT = 1
+FORMAT = 2  # 2: the report is hashed too
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "vocab.json", "merges.txt", "tokenizer.model", "tiktoken.model",
                    "added_tokens.json", "chat_template.jinja", "chat_template.json")
@@ -72,9 +72,13 @@ def key_of(dataset: dict[str, Any], tokenizer: dict[str, Any], template_sha256: 
     return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:24]
 
 
-def _hashes(arrays: dict[str, np.ndarray]) -> dict[str, str]:
-    return {name: content_checksum([np.ascontiguousarray(a).view(np.uint8).reshape(-1)])
-            for name, a in arrays.items()}
+def _hashes(arrays: dict[str, np.ndarray], report: dict[str, Any]) -> dict[str, str]:
+    """Every array's bytes and the report (the counts the manifest takes from it): a
+    count edited in meta.json is damage like a flipped byte."""
+    out = {name: content_checksum([np.ascontiguousarray(a).view(np.uint8).reshape(-1)])
+           for name, a in arrays.items()}
+    out["report"] = content_checksum([json.dumps(report, sort_keys=True, default=str).encode()])
+    return out
 
 
 def _as_saved(data: Tokenized) -> dict[str, np.ndarray]:
@@ -91,8 +95,9 @@ def load(key: str) -> Tokenized | None:
         return None
     try:
         data, meta = Tokenized.load(path)
-        if meta.get("key") != key or meta.get("hashes") != _hashes(_as_saved(data)):
-            raise ValueError("its arrays differ from what was written")
+        if meta.get("key") != key or meta.get("hashes") != _hashes(_as_saved(data),
+                                                                   data.report):
+            raise ValueError("its arrays or counts differ from what was written")
     except (OSError, ValueError, KeyError, TypeError) as e:
         log.warning("tokenized set %s is damaged (%s): rebuilding it", path, e)
         shutil.rmtree(path, ignore_errors=True)
@@ -105,7 +110,7 @@ def store(key: str, data: Tokenized) -> None:
     path = cache_dir() / key
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        data.save(path, {"key": key, "hashes": _hashes(_as_saved(data))})
+        data.save(path, {"key": key, "hashes": _hashes(_as_saved(data), data.report)})
     except OSError as e:  # another job's copy landed first, or no room: not our problem
         if not path.is_dir():
             log.warning("tokenized set not kept in %s (%s)", cache_dir(), e)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import sys
 import time
@@ -30,7 +31,7 @@ from eagle3_extract.layout import (EXPORT_JSON, SCALES_KEY, STATES_KEY, VOCAB_DI
                      remove_temps, temp_path, verified_files)
 from eagle3_extract.manifest import write_json_atomic
 from eagle3_extract.quant import states_tensor
-from eagle3_extract.check.run_dir import complete_run, load_sample
+from eagle3_extract.check.run_dir import DamagedSample, complete_run, missing_samples, read_checked
 from eagle3_extract.extract.writer import save_safetensors
 
 FORMAT = "speculators-0.9"
@@ -42,13 +43,27 @@ class ExportError(Exception):
 
 
 def export(root: Path, out: Path) -> dict:
-    """Write OUT from the extraction in ROOT (complete, verified); return export.json."""
+    """Write OUT from the extraction in ROOT (complete, verified); return export.json.
+
+    Nothing is taken on trust: every sample the manifests say was written must be there,
+    and each file's bytes are checked against the checksum written with them as they are
+    read (one pass: the bytes loaded are the bytes hashed), its run id against the run's.
+    """
     t0 = time.perf_counter()
-    manifests, why = complete_run(root)
+    root, out = Path(os.path.abspath(root)), Path(os.path.abspath(out))
+    if out == root or out.is_relative_to(root) or root.is_relative_to(out):
+        raise ExportError(f"{out} is inside {root} (or holds it): give an OUT outside the "
+                          "extraction, whose directory must hold only what the job wrote")
+    try:
+        manifests, why = complete_run(root)
+    except PermissionError as e:
+        raise ExportError(f"{e.filename or root}: cannot be read ({e.strerror}); fix its "
+                          "permissions") from e
     if why:
         raise ExportError(f"{root}: {why}; finish the extraction first (eagle3-status)")
     fmt = str(manifests[0].config["output"]["format"])
     fp8 = Storage.from_output(manifests[0].config["output"]).fp8
+    run_id = manifests[0].run_id
     linked = links(root)
     if linked:
         raise ExportError(f"{root}: {len(linked)} symbolic links where the run's files belong "
@@ -57,6 +72,10 @@ def export(root: Path, out: Path) -> dict:
     if damaged:
         raise ExportError(f"{root}: {len(damaged)} sample files are not whole (e.g. index "
                           f"{next(iter(damaged))}); rerun the extraction to redo them")
+    gone = missing_samples(manifests, whole)
+    if gone:
+        raise ExportError(f"{root}: {gone}; rerun the extraction with the same config to "
+                          "redo the missing files (eagle3-validate names them)")
     if out.exists() and any(out.iterdir()):
         raise ExportError(f"{out} exists and is not empty: give a new directory")
     import datasets
@@ -67,8 +86,15 @@ def export(root: Path, out: Path) -> dict:
     tmp = temp_path(out)  # a directory, renamed into place when whole
     (tmp / HS_DIR).mkdir(parents=True)
     rows: dict[str, list] = {"input_ids": [], "loss_mask": [], "seq_len": [], "sample_index": []}
+    unchecked = 0
     for row, index in enumerate(sorted(whole)):
-        tensors, _ = load_sample(Path(whole[index].path), fmt)
+        try:
+            tensors, _, had = read_checked(Path(whole[index].path), index, fmt, run_id)
+        except DamagedSample as e:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise ExportError(f"{e}; delete it and rerun the extraction with the same "
+                              "config to redo it, then export again") from None
+        unchecked += not had
         states = states_tensor(tensors[STATES_KEY])
         ids = tensors["input_ids"].to(torch.int64)
         extra = {SCALES_KEY: tensors[SCALES_KEY]} if fp8 else {}
@@ -92,6 +118,7 @@ def export(root: Path, out: Path) -> dict:
               "layer_ids": manifests[0].layer_ids, "rows": len(whole),
               "hidden_states": "fp8" if fp8 else manifests[0].model["dtype"],
               "last_layer": "id N, before the final norm (the trainer applies the verifier's)",
+              "checked": {"files": len(whole), "without_checksum": unchecked},
               "seconds": round(time.perf_counter() - t0, 3)}
     write_json_atomic(tmp / EXPORT_JSON, record)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -110,6 +137,10 @@ def main(argv: list[str] | None = None) -> int:
         rec = export(args.dir.resolve(), args.out.resolve())
     except ExportError as e:
         print(f"eagle3-export: error: {e}", file=sys.stderr)
+        return 2
+    except PermissionError as e:
+        print(f"eagle3-export: error: {e.filename or args.dir}: cannot be read or written "
+              f"({e.strerror}); fix its permissions", file=sys.stderr)
         return 2
     print(f"eagle3-export: {rec['rows']} rows in {args.out} ({FORMAT}) in {rec['seconds']} s")
     return 0

@@ -35,7 +35,9 @@ from eagle3_extract.dataset.samples import Tokenized, build_dataset, load_tokeni
 from eagle3_extract.dataset.rows import read_nonempty
 from eagle3_extract.lock import ShardLock
 from eagle3_extract.layout import (
+    RUN_JSON,
     TOKEN_FREQ_JSON,
+    foreign_entries,
     Storage,
     clean_stale_temps,
     remove_links,
@@ -50,12 +52,12 @@ from eagle3_extract.layout import (
 from eagle3_extract.manifest import (
     Manifest,
     chat_template_sha256,
-    check_run_json,
+    claim_run_json,
     clean_json_temps,
     new_manifest,
     run_identity,
+    retract_run_json,
     write_json_atomic,
-    write_run_json,
 )
 from eagle3_extract.extract.progress import Progress
 from eagle3_extract.lock import process_identity
@@ -126,7 +128,24 @@ def resolve_config(cfg: Any) -> dict[str, Any]:
         raise ConfigError(f"config error: {msg}") from e
 
 
+def check_own_dir(root: Path) -> None:
+    """A folder holding someone else's files is never written into (nor is anything in
+    it replaced): refused before the job makes a file there."""
+    try:
+        foreign = foreign_entries(root)
+    except OSError as e:
+        raise PreflightError(f"output.dir={str(root)!r} cannot be read ({e.strerror or e}); "
+                             "fix its permissions or set output.dir elsewhere") from e
+    if foreign:
+        shown = ", ".join(foreign[:4]) + (", ..." if len(foreign) > 4 else "")
+        raise PreflightError(
+            f"output.dir={str(root)!r} is not empty and holds no eagle3-extract run (no "
+            f"{RUN_JSON}; it has {shown}); nothing in it was touched: set output.dir to a "
+            "new or empty directory")
+
+
 def check_writable(root: Path) -> None:
+    check_own_dir(root)
     try:
         root.mkdir(parents=True, exist_ok=True)
         probe = temp_path(root / ".write-probe")
@@ -227,11 +246,14 @@ def preflight(cfg: Any, start_engine: bool = False) -> Plan:
 
         check_regenerated_input(str(cfg.dataset.path), tokenizer, info)
         ident = run_identity(cfg, info, layer_ids, chat_template_sha256(tokenizer), max_len)
-    resuming = check_run_json(root, ident)
     index, count = int(cfg.shard.index), int(cfg.shard.count)
     lock = ShardLock.acquire(root, (index, count))  # before anything in root is touched
     engine_start = None
+    claimed = False
     try:
+        # The directory's identity, fixed by the first shard before any sample exists
+        # (one atomic step): every later or concurrent shard is checked against it.
+        claimed = not claim_run_json(root, ident)
         early = start_engine and bool(cfg.engine.start_early) and not bool(cfg.dry_run)
         # a rerun of a finished shard likely has nothing to do: no model load for it (the
         # file check after tokenization decides)
@@ -263,8 +285,6 @@ def preflight(cfg: Any, start_engine: bool = False) -> Plan:
         damaged = dict(broken)
         todo = mine.select(todo_mask(mine.indices, whole))
         disk_need = _check_disk(root, info, layer_ids, todo, storage)
-        if not resuming:  # shards starting together need not all rewrite it
-            write_run_json(root, ident)
         linked = remove_links(root)  # never written or read through (layout.links)
         for i in damaged:  # redone by this run
             sample_path(root, i, int(cfg.output.files_per_dir), fmt).unlink(missing_ok=True)
@@ -274,6 +294,8 @@ def preflight(cfg: Any, start_engine: bool = False) -> Plan:
     except BaseException:
         if engine_start is not None:
             engine_start.cancel()
+        if claimed:  # nothing of the run exists yet: the corrected rerun fixes it anew
+            retract_run_json(root, ident)
         lock.release()
         raise
     return Plan(
