@@ -187,6 +187,7 @@ def test_half_finished_run_status_then_each_shard_resumes(hf_ref, tmp_path, offl
 
     # two replicas; replica 1's samples (odd indices) must go to data/0000<i>: plain files
     blockers = [out / "data" / f"{i:05d}" for i in (1, 3, 5, 7)]
+    extract(compose_cfg(*HF, f"output.dir={out}", "dry_run=true"))  # the run's run.json first
     (out / "data").mkdir(parents=True)
     for b in blockers:
         b.write_text("in the way")

@@ -678,6 +678,10 @@ def main(argv: list[str] | None = None) -> int:
     except VerifyError as e:
         print(f"eagle3-verify: error: {e}", file=sys.stderr)
         return 2
+    except PermissionError as e:
+        print(f"eagle3-verify: error: {e.filename or args.dir}: cannot be read ({e.strerror}); "
+              "fix its permissions", file=sys.stderr)
+        return 2
     print_report(report)
     if not args.no_report:
         path = write_report(Path(args.dir), REPORT_NAME, report)
