@@ -97,7 +97,7 @@ venv: $(VENV)/.patched ## create/update .venv (CPU env from the locks, project, 
 
 # $(TRAIN_VENV): speculators 0.9.0's trainer (transformers >= 5: it cannot share .venv).
 # pip, not uv: torch's CPU build comes from pip's find-links (this machine kind has the
-# wheel on disk); elsewhere set PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu. The tests use it to read `eagle3-export` output with 0.9.0's classes.
+# wheel on disk); elsewhere set PIP_EXTRA_INDEX_URL to PyTorch's CPU wheel index. The tests use it to read `eagle3-export` output with 0.9.0's classes.
 TRAIN_VENV ?= .venv-train
 $(TRAIN_VENV)/.installed: requirements/train.lock requirements/train-nodeps.lock
 	@test -x $(TRAIN_VENV)/bin/python || $(PYTHON) -m venv $(TRAIN_VENV)

@@ -6,6 +6,7 @@ stand in for the kit's library here; `kit.py install` swaps the files once."""
 from __future__ import annotations
 
 import importlib.util
+import os
 import sys
 import types
 from pathlib import Path
@@ -148,8 +149,28 @@ def test_install_puts_the_stand_in_where_vllm_flash_attn_imports_it(tmp_path, mo
         KIT / "vllm_fa2_C.py").read_bytes()
 
 
-SDIST_URL = ("https://files.pythonhosted.org/packages/e6/fa/ab31c88afd21b69a46c3cc80d4017a2d"
-             "5045a30cc4862dba6eae6eca7865/vllm-0.16.0.tar.gz")
+def index_file_url(project: str, filename: str) -> str:
+    """Where pip's configured index (PIP_INDEX_URL, pip config, else pip's own default)
+    lists `filename`: found as pip finds it, no registry host written here."""
+    import re
+    import subprocess
+    import urllib.parse
+    import urllib.request
+
+    index = os.environ.get("PIP_INDEX_URL") or subprocess.run(
+        [sys.executable, "-m", "pip", "config", "get", "global.index-url"],
+        capture_output=True, text=True).stdout.strip()
+    if not index:
+        from pip._internal.models.index import PyPI
+
+        index = PyPI.simple_url
+    page_url = f"{index.rstrip('/')}/{project}/"
+    with urllib.request.urlopen(page_url, timeout=60) as r:
+        page = r.read().decode()
+    for href in re.findall(r'href="([^"]+)"', page):
+        if urllib.parse.urlsplit(href).path.endswith("/" + filename):
+            return urllib.parse.urljoin(page_url, href)
+    raise FileNotFoundError(f"{filename} is not listed by {page_url}")
 
 
 @pytest.fixture(scope="module")
@@ -179,11 +200,12 @@ def sdist(build_mod):
     if not path.is_file():
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".part")
-        with urllib.request.urlopen(SDIST_URL, timeout=120) as r, open(tmp, "wb") as f:
+        url = index_file_url("vllm", build.SDIST_NAME)
+        with urllib.request.urlopen(url, timeout=120) as r, open(tmp, "wb") as f:
             f.write(r.read())
         if hashlib.sha256(tmp.read_bytes()).hexdigest() != build.SDIST_SHA256:
             tmp.unlink()
-            pytest.fail(f"{SDIST_URL}: not the sha256 build.py pins")
+            pytest.fail(f"{url}: not the sha256 build.py pins")
         tmp.replace(path)
     return path
 
