@@ -76,20 +76,10 @@ class ShardLock:
 
     @staticmethod
     def _check(other: Path, shard: tuple[int, int]) -> None:
-        try:
-            fd = os.open(other, os.O_RDWR)
-        except FileNotFoundError:
+        holder = _live_holder(other)
+        if holder is None:  # nobody holds it: a dead job's
+            other.unlink(missing_ok=True)
             return
-        try:
-            if _try_flock(fd):  # nobody holds it: a dead job's
-                other.unlink(missing_ok=True)
-                return
-            try:
-                holder = json.loads(os.pread(fd, 4096, 0) or b"{}")
-            except ValueError:
-                holder = {}
-        finally:
-            os.close(fd)
         theirs = tuple(holder.get("shard") or (0, 1))
         if not overlaps(shard, theirs):
             return
@@ -109,6 +99,24 @@ class ShardLock:
             os.close(fd)
 
 
+def _live_holder(path: Path) -> dict[str, Any] | None:
+    """Who holds the shard lock `path` ({} when its record is unreadable), or None when
+    no live job does (gone, or its flock can be taken: a dead job's)."""
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except FileNotFoundError:
+        return None
+    try:
+        if _try_flock(fd):
+            return None
+        try:
+            return json.loads(os.pread(fd, 4096, 0) or b"{}")
+        except ValueError:
+            return {}
+    finally:
+        os.close(fd)
+
+
 def when_alone(root: Path, fn: Callable[[], Any]) -> Any:
     """`fn()` under the guard lock when no other job holds a shard lock in `root` (this
     process's own do not count); None otherwise. The guard serialises it with every
@@ -120,19 +128,9 @@ def when_alone(root: Path, fn: Callable[[], Any]) -> Any:
     try:
         fcntl.flock(guard, fcntl.LOCK_EX)
         for other in locks.glob("shard-*.lock"):
-            try:
-                fd = os.open(other, os.O_RDWR)
-            except FileNotFoundError:
-                continue
-            try:
-                if _try_flock(fd):  # a dead job's
-                    continue
-                holder = json.loads(os.pread(fd, 4096, 0) or b"{}")
-            except ValueError:
-                return None
-            finally:
-                os.close(fd)
-            if (holder.get("host"), holder.get("pid")) != (socket.gethostname(), os.getpid()):
+            holder = _live_holder(other)
+            if holder is not None and (holder.get("host"), holder.get("pid")) != (
+                    socket.gethostname(), os.getpid()):
                 return None
         return fn()
     finally:
