@@ -51,7 +51,7 @@ if [[ $what == regen ]]; then
     model=(--model bench/configs/llama3_8b.json --vocab 49152)
     [[ $shape == 135m ]] && model=(--model .bench-tok/smollm2.json)
     timeout 230 python3 bench/regenerate.py "${model[@]}" --tokenizer .bench-tok \
-      --load-format dummy --samples "${REGEN_SAMPLES:-128}" --max-tokens 128 --max-num-seqs 64 \
+      --load-format dummy --samples "${REGEN_SAMPLES:-128}" --max-tokens 128 --enforce-eager true \
       --repeats "${REGEN_REPEATS:-2}" \
       --gpu-memory-utilization 0.6 --vllm-args "$vllm_args" --out "$OUT/regen-$shape.json" \
       > "$OUT/regen-$shape.log" 2>&1

@@ -31,8 +31,11 @@ pipi() { python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-
 [[ -d /tmp/train-site/speculators ]] || pipi /tmp/train-site .gpu-bundle/whlT/*.whl || exit 3
 printf '#!/bin/sh\nPYTHONPATH=/tmp/train-site exec python3 "$@"\n' > /tmp/train-python
 chmod +x /tmp/train-python
-# our CLI on the vLLM kit's site; datasets (the export) from the trainer's, after it
-export PYTHONPATH=/tmp/site:$PWD/src:/tmp/train-site VLLM_WORKER_MULTIPROC_METHOD=spawn \
+# our CLI on the vLLM kit's site with whlC (hydra, the product's datasets 4); the trainer's
+# site only on the trainer's own path (/tmp/train-python): on ours its datasets 5.1.0 met
+# the kit's huggingface-hub 0.36.2 (ImportError: BucketNotFoundError)
+pipi /tmp/site .gpu-bundle/whlC/*.whl || exit 3
+export PYTHONPATH=/tmp/site:$PWD/src VLLM_WORKER_MULTIPROC_METHOD=spawn \
   PYTHONUNBUFFERED=1 EAGLE3_TRAIN_PYTHON=/tmp/train-python EAGLE3_CACHE=/tmp/eagle3-cache
 prompts=/tmp/stage/prompts-large.jsonl
 [[ -f $prompts ]] || python3 tools/make_prompts.py --large "$prompts" || exit 3
@@ -47,6 +50,7 @@ timeout --signal=TERM --kill-after=20 $((BUDGET_S - 30 - (SECONDS - t0))) \
   --model-arg "model.path=$model" --model-arg model.gpu_memory_utilization=0.5 \
   --engine-arg '+engine.vllm_args.attention_config={backend:TRITON_ATTN}' \
   --engine-arg '+engine.vllm_args.compilation_config={custom_ops:[none]}' \
+  --engine-arg engine.enforce_eager=true \
   --acceptance-arg engine=vllm --train-arg "train.epochs=${EPOCHS:-4}" \
   --train-arg 'train.extra_args=[--loss-implementation,eager]' > "$OUT/e2e.log" 2>&1
 rc=$?

@@ -4,13 +4,22 @@
 # torch 2.11 and transformers 5.17, the trainer's own packages as wheels in their own
 # site (.gpu-bundle/whlT, made by `bash bench/h200_train.sh wheels` here; the vLLM kit's
 # site stays out of the trainer's path: it pins transformers 4.57), our own CLI on
-# hydra/omegaconf (.gpu-bundle/whlC; datasets, for the export, from the trainer's site).
+# hydra/omegaconf and the product's datasets 4 (.gpu-bundle/whlC), never the trainer's site.
 # One call, on a cold machine too:
 #   carry .gpu-bundle/{whlC,whlT}  ->  bash bench/h200_train.sh
 # The extraction runs on the HF engine on the GPU (no vLLM needed), then eagle3-train
 # with train=small; $OUT gets the logs and the drafter's eagle3-train.json.
 set -uo pipefail
 if [[ ${1:-} == wheels ]]; then  # here: the trainer's packages the device lacks (train.lock's pins)
+  # and whlC, our CLI's own (cpu.lock's pins: hydra, and datasets 4 for the export, which
+  # fits the kit's huggingface-hub 0.36.2; the trainer's datasets 5.1.0 needs hub >= 1.31
+  # and stays in the trainer's site, off our CLI's path)
+  mkdir -p .gpu-bundle/whlC
+  python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+    --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+    --platform manylinux2014_x86_64 -d .gpu-bundle/whlC hydra-core==1.3.2 omegaconf==2.3.0 \
+    antlr4-python3-runtime==4.9.3 datasets==4.8.5 fsspec==2026.2.0 multiprocess==0.70.19 \
+    dill==0.4.1 || exit $?
   mkdir -p .gpu-bundle/whlT
   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
     --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
@@ -29,7 +38,7 @@ pipi /tmp/site .gpu-bundle/whlC/*.whl || exit 3
 pipi /tmp/train-site .gpu-bundle/whlT/*.whl || exit 3
 printf '#!/bin/sh\nPYTHONPATH=/tmp/train-site exec python3 "$@"\n' > /tmp/train-python
 chmod +x /tmp/train-python
-export PYTHONPATH=/tmp/site:$PWD/src:/tmp/train-site EAGLE3_CACHE=/tmp/eagle3-cache \
+export PYTHONPATH=/tmp/site:$PWD/src EAGLE3_CACHE=/tmp/eagle3-cache \
   EAGLE3_TRAIN_PYTHON=/tmp/train-python PYTHONUNBUFFERED=1
 echo "== installed in $((SECONDS - t0)) s"
 /tmp/train-python -c "import speculators, transformers, torch; from importlib.metadata import \

@@ -57,6 +57,10 @@ def model_dir(spec: str, tokenizer: str | None, vocab: int | None) -> str:
     return str(out)
 
 
+def null(value: int | None) -> str:
+    return "null" if value is None else str(value)
+
+
 def parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="smollm2", help="smollm2, a tiny arch, a dir, a config")
@@ -65,8 +69,11 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--load-format", default=None, help="vLLM load_format, e.g. dummy")
     p.add_argument("--samples", type=int, default=64)
     p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--token-budget", type=int, default=8192)
+    # default: vLLM's own (the job's default too, conf/regenerate.yaml)
+    p.add_argument("--max-num-seqs", type=int, default=None)
+    p.add_argument("--token-budget", type=int, default=None)
+    p.add_argument("--enforce-eager", choices=("auto", "true", "false"), default="auto",
+                   help="auto: CUDA graphs where the build has them (the job's default)")
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     p.add_argument("--executor", default="mp")
@@ -76,14 +83,14 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def _measure(llm, tok, cfg, rows: list, args: argparse.Namespace) -> tuple[dict, bool]:
+def _measure(llm, tok, cfg, rows: list, args: argparse.Namespace, window: int
+             ) -> tuple[dict, bool, dict]:
     """Both paths over the same prompts and SamplingParams, alternating, after a warm-up."""
     from eagle3_extract.dataset.messages import to_messages
     from eagle3_extract.regenerate.generation import Pending, Regenerator, plan_turns
 
     max_model_len = int(cfg.model.max_model_len)
-    regen = Regenerator(llm, tok, cfg.generate, max_model_len, None,
-                        window=2 * args.max_num_seqs)
+    regen = Regenerator(llm, tok, cfg.generate, max_model_len, None, window=window)
     prompts, params = [], []
     for i, row in enumerate(rows):
         msgs, targets = plan_turns(to_messages(row, need_assistant=False), "last")
@@ -101,7 +108,7 @@ def _measure(llm, tok, cfg, rows: list, args: argparse.Namespace) -> tuple[dict,
 
     def ours() -> tuple[float, int, list]:
         recs: list[dict] = []
-        regen.generated_tokens = 0
+        regen.generated_tokens = regen.steps = regen.steps_short = regen.in_flight_sum = 0
         t = time.perf_counter()
         regen.run(((i, i, r) for i, r in enumerate(rows)), recs.append)
         dt = time.perf_counter() - t
@@ -120,7 +127,7 @@ def _measure(llm, tok, cfg, rows: list, args: argparse.Namespace) -> tuple[dict,
         same &= b[2] == o[2]
         print(f"pair {r}: LLM.generate {b[1] / b[0]:.1f} tok/s, eagle3-regenerate "
               f"{o[1] / o[0]:.1f} tok/s", flush=True)
-    return runs, same
+    return runs, same, regen.concurrency()
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -131,12 +138,14 @@ def main(argv: list[str] | None = None) -> dict:
     from eagle3_extract.config import conf_dir
     from eagle3_extract.dataset.render import Renderer
     from eagle3_extract.models.config import inspect_model
-    from eagle3_extract.regenerate.generation import build_llm, close_llm
+    from eagle3_extract.regenerate.generation import build_llm, close_llm, engine_limits
 
     path = model_dir(args.model, args.tokenizer, args.vocab)
     over = [f"model.path={path}", f"model.max_model_len={args.max_model_len}",
             f"model.gpu_memory_utilization={args.gpu_memory_utilization}",
-            f"engine.max_num_seqs={args.max_num_seqs}", f"engine.token_budget={args.token_budget}",
+            f"engine.max_num_seqs={null(args.max_num_seqs)}",
+            f"engine.token_budget={null(args.token_budget)}",
+            f"engine.enforce_eager={'null' if args.enforce_eager == 'auto' else args.enforce_eager}",
             f"engine.distributed_executor_backend={args.executor}", "generate.turns=last",
             f"generate.max_tokens={args.max_tokens}", "generate.on_max_tokens=keep"]
     if args.load_format:
@@ -153,13 +162,16 @@ def main(argv: list[str] | None = None) -> dict:
     t0 = time.perf_counter()
     llm = build_llm(cfg, info)
     start_s = time.perf_counter() - t0
+    limits = engine_limits(llm)  # what vLLM resolved our null keys to
     try:
-        runs, same = _measure(llm, tok, cfg, rows, args)
+        runs, same, concurrency = _measure(llm, tok, cfg, rows, args,
+                                           2 * limits["max_num_seqs"])
     finally:
         close_llm(llm)
     result = {
         "model": args.model, "samples": args.samples, "max_tokens": args.max_tokens,
-        "max_num_seqs": args.max_num_seqs, "engine_start_s": round(start_s, 1),
+        "engine": limits, "concurrency_last_run": concurrency,
+        "engine_start_s": round(start_s, 1),
         "generated_tok_s": {k: round(statistics.median(v), 1) for k, v in runs.items()},
         "runs": {k: [round(x, 1) for x in v] for k, v in runs.items()},
         "same_tokens": same,

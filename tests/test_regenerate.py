@@ -356,6 +356,39 @@ def test_sigkill_mid_run_then_rerun_writes_every_sample_once(tmp_path):
                           for x in turn["token_ids"]]
 
 
+@engine
+def test_the_engine_stays_full_across_chunks_and_the_manifest_says_how_fast(tmp_path):
+    """Chunks of 3 samples, 4 in flight (max_num_seqs=2): no step starts short of the
+    window while samples remain, so a chunk's end is no tail; the manifest records the
+    rate and the limits vLLM resolved (the step budget left null: its CPU default)."""
+    from eagle3_extract.regenerate.job import run as regenerate_run
+
+    m = regenerate_run(regen_cfg(f"output.dir={tmp_path / 'regen'}", "dataset.max_samples=10",
+                                 "generate.chunk_samples=3", "generate.max_tokens=24",
+                                 "engine.max_num_seqs=2",
+                                 "engine.distributed_executor_backend=uni"))
+    run = m["this_run"]
+    (shard,) = run["shards"]
+    assert shard["engine"]["max_num_seqs"] == 2
+    assert shard["engine"]["max_num_batched_tokens"] == 4096  # vLLM's CPU default
+    assert shard["engine"]["enforce_eager"] is True  # null: eager on the CPU build
+    c = shard["concurrency"]
+    assert c["window"] == 4 and c["steps"] > 10 and c["steps_short_of_window"] == 0
+    assert 2 < c["mean_in_flight"] <= 4
+    assert run["generated_tok_s"] > 0 and run["generated_tokens"] == m["tokens"]["generated"]
+
+
+def test_regeneration_leaves_batching_to_vllm_and_extraction_refuses_null_limits(tmp_path):
+    from eagle3_extract.config import ConfigError, validate
+
+    cfg = regen_cfg()
+    assert (cfg.engine.max_num_seqs, cfg.engine.token_budget, cfg.engine.enforce_eager) == (
+        None, None, None)
+    ex = extract_cfg("engine.max_num_seqs=null")
+    with pytest.raises(ConfigError, match="engine.max_num_seqs=null: extraction needs"):
+        validate(ex)
+
+
 @pytest.fixture(scope="module")
 def smollm2():
     from eagle3_extract.models.smollm2 import build_smollm2

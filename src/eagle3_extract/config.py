@@ -99,10 +99,14 @@ class OutputConfig:
 @dataclass
 class EngineConfig:
     name: str = MISSING
-    token_budget: int = 8192
-    max_num_seqs: int = 64
+    # Extraction needs numbers (its batches and capture buffers are sized by them);
+    # eagle3-regenerate leaves them null: vLLM's own defaults for the device it runs on
+    # (conf/regenerate.yaml, docs/regenerate.md)
+    token_budget: Optional[int] = 8192
+    max_num_seqs: Optional[int] = 64
     host_buffers: int = 3
-    enforce_eager: bool = True
+    # null: CUDA graphs where the build has them (vLLM's default), eager on the CPU build
+    enforce_eager: Optional[bool] = True
     device: str = "auto"
     distributed_executor_backend: str = "mp"
     vllm_args: Dict[str, Any] = field(default_factory=dict)  # extra vLLM EngineArgs, as-is
@@ -339,8 +343,9 @@ def _validate_job(cfg: Any) -> None:
     _choice("dataset.overlong", cfg.dataset.overlong, OVERLONG_POLICIES)
     _choice("engine.name", cfg.engine.name, ENGINES)
     _positive("model.max_model_len", cfg.model.max_model_len, 2)
-    _positive("engine.token_budget", cfg.engine.token_budget)
-    _positive("engine.max_num_seqs", cfg.engine.max_num_seqs)
+    for key in ("token_budget", "max_num_seqs"):  # null: vLLM's default (regenerate only)
+        if cfg.engine[key] is not None:
+            _positive(f"engine.{key}", cfg.engine[key])
     _positive("shard.count", cfg.shard.count)
     _positive("parallel.data_parallel_size", cfg.parallel.data_parallel_size)
     if cfg.dataset.max_samples is not None:
@@ -357,6 +362,10 @@ def _validate_job(cfg: Any) -> None:
 def validate(cfg: Any) -> None:
     """Value checks that the schema's types cannot express. Raises ConfigError."""
     _validate_job(cfg)
+    for key in ("token_budget", "max_num_seqs", "enforce_eager"):
+        if cfg.engine[key] is None:  # batches and capture buffers are sized by them
+            raise ConfigError(f"engine.{key}=null: extraction needs a value; set "
+                              f"engine.{key} (conf/engine/{cfg.engine.name}.yaml has the default)")
     _choice("output.format", cfg.output.format, OUTPUT_FORMATS)
     _choice("output.dtype", cfg.output.dtype, OUTPUT_DTYPES)
     _choice("output.fp8_scale", cfg.output.fp8_scale, FP8_SCALES)

@@ -71,9 +71,9 @@ def model_args(cfg: Any, info: ModelInfo) -> dict[str, Any]:
         "gpu_memory_utilization": float(m.gpu_memory_utilization),
         "tensor_parallel_size": int(m.tensor_parallel_size),
         "pipeline_parallel_size": int(m.pipeline_parallel_size),
-        "max_num_seqs": int(e.max_num_seqs),
-        "max_num_batched_tokens": int(e.token_budget),
-        "enforce_eager": bool(e.enforce_eager),
+        "max_num_seqs": None if e.max_num_seqs is None else int(e.max_num_seqs),
+        "max_num_batched_tokens": None if e.token_budget is None else int(e.token_budget),
+        "enforce_eager": enforce_eager(e.enforce_eager),
         "seed": 0,
         "use_tqdm_on_load": bool(getattr(cfg, "verbose", False)),
     }
@@ -92,6 +92,18 @@ def model_args(cfg: Any, info: ModelInfo) -> dict[str, Any]:
         # HF, 4e-7 with the native torch ops.
         args["compilation_config"] = {"custom_ops": ["none"]}
     return args
+
+
+def enforce_eager(value: bool | None) -> bool:
+    """engine.enforce_eager, null resolved: vLLM's own default (CUDA graphs and
+    torch.compile) where the platform has CUDA graphs; eager on the CPU build, which has
+    none and would spend its start compiling with inductor. A build that cannot take
+    CUDA graphs (the H200 kit) sets it true in its own settings (bench/h200*.sh)."""
+    if value is not None:
+        return bool(value)
+    from vllm.platforms import current_platform
+
+    return not current_platform.is_cuda_alike()
 
 
 def engine_args(cfg: Any, info: ModelInfo) -> dict[str, Any]:

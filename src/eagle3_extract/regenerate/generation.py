@@ -97,6 +97,10 @@ class Regenerator:
         self.gen, self.max_model_len, self.window = gen, int(max_model_len), int(window)
         self.parser = make_reasoning_parser(reasoning_parser, tokenizer)
         self.prompt_tokens = self.generated_tokens = 0
+        # requests in flight at each engine step: their sum, the steps, and the steps that
+        # started below the window while the source still had samples (a tail per chunk
+        # or a slow feed would show here; 0 is the invariant)
+        self.in_flight_sum = self.steps = self.steps_short = 0
 
     # prompts and params
     def prompt(self, p: Pending) -> list[int]:
@@ -151,6 +155,11 @@ class Regenerator:
     def submit(self, p: Pending, inflight: dict[str, Pending]) -> dict[str, Any] | None:
         prompt = self.prepare(p)
         return prompt if isinstance(prompt, dict) else self.add(p, prompt, inflight)
+
+    def concurrency(self) -> dict[str, Any]:
+        return {"window": self.window, "steps": self.steps,
+                "mean_in_flight": round(self.in_flight_sum / max(self.steps, 1), 1),
+                "steps_short_of_window": self.steps_short}
 
     def split(self, text: str) -> tuple[str | None, str]:
         if self.parser is None:
@@ -207,14 +216,17 @@ class Regenerator:
         each sample's record as soon as it is complete (in completion order)."""
         inflight: dict[str, Pending] = {}
         source: Iterator = iter(items)
+        drained = False
 
         def feed() -> None:
             # Render every new prompt first, then add them together: the engine's first
             # steps then see the whole window, as with LLM.generate, not a trickle.
+            nonlocal drained
             ready: list[tuple[Pending, list[int]]] = []
             while len(inflight) + len(ready) < self.window:
                 item = next(source, None)
                 if item is None:
+                    drained = True
                     break
                 p = self.start(*item)
                 prompt = p if isinstance(p, dict) else self.prepare(p)
@@ -230,6 +242,9 @@ class Regenerator:
         try:
             feed()
             while inflight:
+                self.steps += 1
+                self.in_flight_sum += len(inflight)
+                self.steps_short += not drained and len(inflight) < self.window
                 for out in self.engine.step():
                     if not out.finished:
                         continue
@@ -300,7 +315,17 @@ def build_llm(cfg: Any, info: Any) -> Any:
     from eagle3_extract.engine.vllm import check_vllm_args, model_args, quiet_known_warnings, size_cpu_kv_cache
 
     quiet_known_warnings()
-    args = model_args(cfg, info)
+    args = {k: v for k, v in model_args(cfg, info).items() if v is not None}  # None: vLLM's
     args.update(check_vllm_args(cfg, fixed={}))
-    size_cpu_kv_cache(info, args["max_num_batched_tokens"] + 2 * args["max_model_len"])
+    # (the CPU build's own default budget is 4,096 tokens per step and rank)
+    size_cpu_kv_cache(info, args.get("max_num_batched_tokens", 4096) + 2 * args["max_model_len"])
     return LLM(**args)
+
+
+def engine_limits(llm: Any) -> dict[str, Any]:
+    """What vLLM resolved the batch limits to (our null keys are its defaults)."""
+    c = llm.llm_engine.vllm_config
+    return {"max_num_seqs": int(c.scheduler_config.max_num_seqs),
+            "max_num_batched_tokens": int(c.scheduler_config.max_num_batched_tokens),
+            "enforce_eager": bool(c.model_config.enforce_eager),
+            "cudagraph_mode": str(c.compilation_config.cudagraph_mode)}

@@ -41,7 +41,8 @@ from eagle3_extract.dataset.messages import GENERATED_KEY, REGENERATED_TURNS
 from eagle3_extract.dataset.render import Renderer
 from eagle3_extract.dataset.samples import load_tokenizer, seeded_order
 from eagle3_extract.errors import Interrupted, raise_interrupted
-from eagle3_extract.regenerate.generation import OUTCOMES, Regenerator, build_llm, close_llm, make_reasoning_parser
+from eagle3_extract.regenerate.generation import (OUTCOMES, Regenerator, build_llm, close_llm,
+                                                  engine_limits, make_reasoning_parser)
 from eagle3_extract.lock import ShardLock
 from eagle3_extract.dataset.rows import read_nonempty
 from eagle3_extract.dataset.regenerated import CONVERSATIONS, KIND, PARTS, vocab_sha256  # noqa: F401 - re-exported
@@ -272,9 +273,11 @@ def _run(plan: Plan) -> dict[str, Any] | None:
         llm = build_llm(cfg, plan.info)
         t_gen = time.perf_counter()
         try:
+            limits = engine_limits(llm)
+            # twice what the engine runs at once: its queue never empties while samples last
             regen = Regenerator(llm, plan.tokenizer, cfg.generate, int(cfg.model.max_model_len),
                                 cfg.model.reasoning_parser,
-                                window=2 * int(cfg.engine.max_num_seqs))
+                                window=2 * limits["max_num_seqs"])
         except BaseException:
             close_llm(llm)  # else its engine process keeps this one from exiting
             raise
@@ -293,9 +296,11 @@ def _run(plan: Plan) -> dict[str, Any] | None:
                  for c in plan.todo for i in chunk_indices(c, plan.size, n, shard))
         try:
             regen.run(items, on_done)
+            seconds = time.perf_counter() - t_gen
             stats = {"prompt_tokens": regen.prompt_tokens,
-                     "generated_tokens": regen.generated_tokens,
-                     "seconds": time.perf_counter() - t_gen}
+                     "generated_tokens": regen.generated_tokens, "seconds": seconds,
+                     "generated_tok_s": round(regen.generated_tokens / max(seconds, 1e-9), 1),
+                     "engine": limits, "concurrency": regen.concurrency()}
         except (KeyboardInterrupt, Interrupted):
             log.error("interrupted: finished chunks are kept; rerun the same command to resume")
             raise
@@ -373,8 +378,7 @@ def assemble(plan: Plan) -> dict[str, Any] | None:
         # e.g. reasoning=drop or a template that drops earlier turns' reasoning: the
         # render stands)
         "fidelity": fidelity,
-        "this_run": {"generated_tokens": sum(s.get("generated_tokens", 0) for s in stats),
-                     "seconds": max((s.get("seconds", 0.0) for s in stats), default=0.0)},
+        "this_run": this_run(stats),
         "produced_by": package_versions(),
         "conversations": CONVERSATIONS,
     }
@@ -386,6 +390,17 @@ def assemble(plan: Plan) -> dict[str, Any] | None:
              plan.root / CONVERSATIONS, tokens["generated"], skipped or "none",
              *(fidelity[k] for k in REGENERATED_TURNS))
     return manifest
+
+
+def this_run(stats: list[dict[str, Any]]) -> dict[str, Any]:
+    """The manifest's figures of this run's generation: tokens, the wall of its slowest
+    shard, the rate, and per shard the engine's limits and the concurrency it ran at."""
+    tokens = sum(s.get("generated_tokens", 0) for s in stats)
+    seconds = max((s.get("seconds", 0.0) for s in stats), default=0.0)
+    return {"generated_tokens": tokens, "seconds": round(seconds, 3),
+            "generated_tok_s": round(tokens / seconds, 1) if seconds else None,
+            "shards": [{k: s[k] for k in ("generated_tok_s", "engine", "concurrency") if k in s}
+                       for s in stats]}
 
 
 # --- command line ---------------------------------------------------------------------------
