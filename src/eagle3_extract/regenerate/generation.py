@@ -317,8 +317,9 @@ def build_llm(cfg: Any, info: Any) -> Any:
     quiet_known_warnings()
     args = {k: v for k, v in model_args(cfg, info).items() if v is not None}  # None: vLLM's
     args.update(check_vllm_args(cfg, fixed={}))
-    # (the CPU build's own default budget is 4,096 tokens per step and rank)
-    size_cpu_kv_cache(info, args.get("max_num_batched_tokens", 4096) + 2 * args["max_model_len"])
+    # the CPU build's KV cache as before this default changed (8,192 tokens a step assumed):
+    # vLLM's scheduler admits what fits, and a laptop keeps its memory
+    size_cpu_kv_cache(info, args.get("max_num_batched_tokens", 8192) + 2 * args["max_model_len"])
     return LLM(**args)
 
 
