@@ -108,7 +108,7 @@ def _measure(llm, tok, cfg, rows: list, args: argparse.Namespace, window: int
 
     def ours() -> tuple[float, int, list]:
         recs: list[dict] = []
-        regen.generated_tokens = regen.steps = regen.steps_short = regen.in_flight_sum = 0
+        regen.reset_counts()
         t = time.perf_counter()
         regen.run(((i, i, r) for i, r in enumerate(rows)), recs.append)
         dt = time.perf_counter() - t

@@ -96,6 +96,9 @@ class Regenerator:
         self.tok, self.renderer = tokenizer, Renderer(tokenizer)
         self.gen, self.max_model_len, self.window = gen, int(max_model_len), int(window)
         self.parser = make_reasoning_parser(reasoning_parser, tokenizer)
+        self.reset_counts()
+
+    def reset_counts(self) -> None:
         self.prompt_tokens = self.generated_tokens = 0
         # requests in flight at each engine step: their sum, the steps, and the steps that
         # started below the window while the source still had samples (a tail per chunk
