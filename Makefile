@@ -200,7 +200,7 @@ test-all: venv venv-train venv-peer ## both lanes in one pytest run
 lint: $(VENV)/.installed ## hadolint, compose schema, shellcheck, ruff
 	$(VENV)/bin/hadolint Dockerfile
 	$(VENV)/bin/check-jsonschema --builtin-schema vendor.compose-spec docker-compose.yml
-	$(VENV)/bin/shellcheck entrypoint.sh docker/*.sh $(wildcard .ci/run .ci/*.sh)
+	$(VENV)/bin/shellcheck entrypoint.sh docker/*.sh bench/gpu_steps/*.sh $(wildcard .ci/run .ci/*.sh)
 	$(VENV)/bin/ruff check $(LINT_PY)
 
 bench: venv ## throughput benchmark, CPU smoke defaults (BENCH_ARGS=...)

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# Our capture with vLLM 0.16.0's own CUDA kernels on the H200 (issue 25 (a) and (d);
-# docs/engine.md, docs/BENCHMARKS.md): the vLLM kit (../shared/tools/h200-vllm016) with
-# its op stub falling through to the kernel kit (tools/h200-kernels), vLLM's custom ops
-# on (`custom_ops: [all]`, as the user's image runs eager), Triton attention.
+# bench/gpu.py's capture step: our capture with vLLM 0.16.0's own CUDA kernels on the H200
+# (issue 25 (a) and (d); docs/engine.md, docs/BENCHMARKS.md): the vLLM kit
+# (../shared/tools/h200-vllm016) with its op stub falling through to the kernel kit
+# (tools/h200-kernels, built here from the carried csrc pack: `python3
+# tools/h200-kernels/build.py pack ...`), vLLM's custom ops on (`custom_ops: [all]`, as the
+# user's image runs eager), Triton attention.
 #   (a) a Llama-3-8B shape cut to 4 layers, real random weights built on the device from
 #       bench/configs/llama3_8b_l4.json (seeded, as tiny.py builds every test model):
 #       eagle3-extract on the committed sample set, then eagle3-verify against HF
@@ -13,49 +15,25 @@
 #       against engine/memory.py's plan at start) and the CUDA context a process holds.
 #   (b), (c) DeepseekV3 with Kimi-K2.5's dimensions, MLA on: bf16, then its routed experts
 #       in compressed-tensors W4A16 through vLLM's Marlin MoE (STEPS="marlin kimi kimi-w4a16").
-# Two calls back to back (the second needs the first's /tmp/site and /tmp/kit):
-#   A: carry .gpu-bundle/{whlA,install-on-device.sh} [.kernels/vllm016-csrc.tar.gz] -> ... A
-#      with the csrc pack (tools/h200-kernels/build.py pack) it also builds the kernel kit
-#      into /tmp/kit and $OUT/kit (keep that as .kernels/kit) and runs its op tests
-#   B: carry .gpu-bundle/{whlB,vllm016-py.zip,whlC,install-on-device.sh} [.kernels/kit] -> ... B
-#      (the kit from /tmp/kit when step A built one on this machine, else .kernels/kit)
+# The kit lands in $RESULTS/kit too (keep it as .kernels/kit); its .so is gzipped when over
+# the 16 MiB a returned file may have.
 set -uo pipefail
-step=${1:?A|B}
-OUT=${OUT:-/tmp/capture-results}
-mkdir -p "$OUT"
-if [[ $step == A ]]; then
-  t0=$SECONDS
-  bash .gpu-bundle/install-on-device.sh .gpu-bundle A || exit 3
-  echo "== step A installed in $((SECONDS - t0)) s"
-  if [[ -f .kernels/vllm016-csrc.tar.gz ]]; then
-    python3 tools/h200-kernels/build.py .kernels/vllm016-csrc.tar.gz "$OUT/kit" \
-      > "$OUT/kit-build.log" 2>&1
-    rc=$?; echo "== kit build rc=$rc in $((SECONDS - t0)) s"; tail -5 "$OUT/kit-build.log"
-    ((rc == 0)) || { grep -m5 -i -B2 -A8 "error" "$OUT/kit-build.log" | head -60; exit 4; }
-    rm -rf /tmp/kit && cp -r "$OUT/kit" /tmp/kit
-    python3 tools/h200-kernels/test_ops.py /tmp/kit "$OUT/kit/ops.json" | tail -25
-    # a file over 16 MiB does not come back from the device: gzip it (gunzip it here)
-    so=$OUT/kit/vllm016_kit.so
-    if (($(stat -c %s "$so") > 15 * 1024 * 1024)); then gzip -f "$so"; fi
-    ls -la "$OUT/kit"
-  fi
-  exit 0
-fi
 t0=$SECONDS
-# every result of step B goes into one archive ($OUT/capture-B.tar.gz): the device
-# returns at most 8 files a call
-RESULTS=$OUT; OUT=/tmp/capture-B; rm -rf "$OUT"; mkdir -p "$OUT"
-trap 'tar czf "$RESULTS/capture-B.tar.gz" -C "$OUT" . 2> /dev/null' EXIT
-KIT=$PWD/.kernels/kit
-[[ -f /tmp/kit/build.json ]] && KIT=/tmp/kit
-bash .gpu-bundle/install-on-device.sh .gpu-bundle B || exit 3
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
-  .gpu-bundle/whlC/*.whl || exit 3
+OUT=$RESULTS
+if [[ ! -f /tmp/kit/build.json ]]; then
+  python3 tools/h200-kernels/build.py "$GPU_STAGE/vllm016-csrc.tar.gz" "$OUT/kit" \
+    > "$OUT/kit-build.log" 2>&1
+  rc=$?; echo "== kit build rc=$rc in $((SECONDS - t0)) s"; tail -5 "$OUT/kit-build.log"
+  ((rc == 0)) || { grep -m5 -i -B2 -A8 "error" "$OUT/kit-build.log" | head -60; exit 4; }
+  rm -rf /tmp/kit && cp -r "$OUT/kit" /tmp/kit
+  python3 tools/h200-kernels/test_ops.py /tmp/kit "$OUT/kit/ops.json" | tail -25
+  so=$OUT/kit/vllm016_kit.so
+  if (($(stat -c %s "$so") > 15 * 1024 * 1024)); then gzip -f "$so"; fi
+fi
+KIT=/tmp/kit
 python3 tools/h200-kernels/kit.py install /tmp/site || exit 3
-export PYTHONPATH=/tmp/site:$PWD/src:$PWD/tools/h200-kernels VLLM_WORKER_MULTIPROC_METHOD=spawn \
-  PYTHONUNBUFFERED=1 EAGLE3_KERNEL_KIT=$KIT EAGLE3_CACHE=/tmp/eagle3-cache
-echo "== installed in $((SECONDS - t0)) s"
-
+export PYTHONPATH=$PYTHONPATH:$PWD/tools/h200-kernels EAGLE3_KERNEL_KIT=$KIT
+echo "== ready in $((SECONDS - t0)) s"
 # (d) the CUDA context one process holds before vLLM's first snapshot
 python3 - > "$OUT/context.json" <<'PY'
 import json, subprocess, torch
@@ -76,19 +54,19 @@ common=(model=tiny model.tiny_config=bench/configs/llama3_8b_l4.json model.max_m
         "+engine.vllm_args.attention_config={backend: TRITON_ATTN}"
         "+engine.vllm_args.compilation_config={custom_ops: [all]}" engine.token_budget=8192)
 # BUDGET_S: the call's limit; a step starts only if the time it usually takes is left
-BUDGET_S=${BUDGET_S:-540}
 left() { echo $((BUDGET_S - (SECONDS - t0))); }
 extract_verify() {  # extract_verify DTYPE [TAG OVERRIDE...]: the job, then eagle3-verify
   local dtype=$1 tag=${2:-$1} out=$run_dir-${2:-$1} t
   if (($(left) < 200)); then echo "== extract $tag skipped: $(left) s left"; return; fi
   t=$SECONDS
-  timeout $(($(left) - 20)) python3 -m eagle3_extract.cli "${common[@]}" output.dtype=$dtype \
+  timeout $(($(left) - 20)) python3 -m eagle3_extract.cli "${common[@]}" "output.dtype=$dtype" \
     "output.dir=$out" "${@:3}" > "$OUT/extract-$tag.log" 2>&1
   echo "== extract $tag rc=$? in $((SECONDS - t)) s"; tail -12 "$OUT/extract-$tag.log"
   cp "$out/manifest.json" "$OUT/manifest-$tag.json" 2> /dev/null
   t=$SECONDS
+  read -r -a verify_args <<< "${VERIFY_ARGS:-}"
   timeout $(($(left) - 10)) python3 -m eagle3_extract.check.verify "$out" --samples 8 \
-    ${VERIFY_ARGS:-} > "$OUT/verify-$tag.log" 2>&1
+    "${verify_args[@]}" > "$OUT/verify-$tag.log" 2>&1
   echo "== verify $tag rc=$? in $((SECONDS - t)) s"; tail -30 "$OUT/verify-$tag.log"
   cp "$out/verify_report.json" "$OUT/verify-$tag.json" 2> /dev/null
 }

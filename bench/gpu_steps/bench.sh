@@ -1,25 +1,12 @@
 #!/usr/bin/env bash
-# The H200 figures of docs/BENCHMARKS.md: vLLM 0.16's Python code over the device's torch
-# (../shared/tools/h200-vllm016/README.md), an 8B Llama shape with dummy weights,
-# 64 x 2048 synthetic tokens, 16 per call. On the device, from the checkout root, right
-# after step A of that kit (`bash .gpu-bundle/install-on-device.sh .gpu-bundle A`), carrying
-# .gpu-bundle/{whlB,vllm016-py.zip,install-on-device.sh} and whlC (hydra-core 1.3.2,
-# omegaconf 2.3.0, antlr4-python3-runtime 4.9.3: eagle3_extract.config imports them):
-#   [BENCH_DTYPE=fp8] bash bench/h200.sh [all|vllm|hf|profile|regen]   # figures, logs: $OUT
+# bench/gpu.py's bench step: the H200 figures of docs/BENCHMARKS.md, vLLM 0.16's Python code
+# over the device's torch (../shared/tools/h200-vllm016/README.md), an 8B Llama shape with
+# dummy weights, 64 x 2048 synthetic tokens, 16 per call. BENCH picks the parts
+# (all|vllm|hf|profile|regen, default all); BENCH_DTYPE=fp8 stores the states as fp8.
+# regen reads .bench-tok (SmolLM2's tokenizer files + smollm2.json, carried as a piece).
 set -uo pipefail
-what=${1:-all}
-OUT=${OUT:-/tmp/bench-results}
-mkdir -p "$OUT"
-if [[ ! -d /tmp/site/vllm ]]; then
-  bash .gpu-bundle/install-on-device.sh .gpu-bundle B || exit 3
-fi
-if [[ ! -d /tmp/site/hydra ]]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
-    .gpu-bundle/whlC/*.whl || exit 3
-fi
-# The engine is ours (src/eagle3_extract/engine/): speculators is not needed for the bench.
-export PYTHONPATH=/tmp/site:$PWD/src VLLM_WORKER_MULTIPROC_METHOD=spawn PYTHONUNBUFFERED=1
-
+what=${BENCH:-all}
+OUT=$RESULTS
 # The shared host buffer (3 slots x 33,792 rows x 4 x 4096 bf16 = 3.3 GB) lives in /dev/shm.
 if (($(df --output=avail -B1G /dev/shm | tail -1) < 8)); then export EAGLE3_SHM_DIR=/tmp; fi
 # Outputs on a disk, not tmpfs (that would measure RAM).
@@ -27,9 +14,10 @@ dir=/var/tmp/eagle3-bench
 [[ $(findmnt -no FSTYPE -T /var/tmp) == tmpfs ]] && dir=$PWD/.bench-out
 # BENCH_DATA=256x2048 BENCH_REPEATS=2 BENCH_BREAKDOWN=: 16 calls a phase instead of 4, so
 # the one copy a phase cannot overlap (the last call's) weighs a quarter as much in (2).
+breakdown=(--breakdown); [[ -n ${BENCH_BREAKDOWN+x} ]] && read -r -a breakdown <<< "$BENCH_BREAKDOWN"
 common=(--model bench/configs/llama3_8b.json --load-format dummy
         --synthetic "${BENCH_DATA:-64x2048}" --token-budget 32768 --max-num-seqs 16
-        --repeats "${BENCH_REPEATS:-3}" ${BENCH_BREAKDOWN---breakdown}
+        --repeats "${BENCH_REPEATS:-3}" "${breakdown[@]}"
         --gpu-memory-utilization 0.6 --out-dir "$dir")
 vllm_args='{"attention_config": {"backend": "TRITON_ATTN"}, "compilation_config": {"custom_ops": ["none"]}}'
 
@@ -49,8 +37,8 @@ if [[ $what == regen ]]; then
   # its config), and the SmolLM2-135M shape itself (where per-step overheads weigh most).
   for shape in ${REGEN_SHAPES:-8b 135m}; do
     model=(--model bench/configs/llama3_8b.json --vocab 49152)
-    [[ $shape == 135m ]] && model=(--model .bench-tok/smollm2.json)
-    timeout 230 python3 bench/regenerate.py "${model[@]}" --tokenizer .bench-tok \
+    [[ $shape == 135m ]] && model=(--model "$GPU_STAGE/.bench-tok/smollm2.json")
+    timeout 230 python3 bench/regenerate.py "${model[@]}" --tokenizer "$GPU_STAGE/.bench-tok" \
       --load-format dummy --samples "${REGEN_SAMPLES:-128}" --max-tokens 128 --enforce-eager true \
       --repeats "${REGEN_REPEATS:-2}" \
       --gpu-memory-utilization 0.6 --vllm-args "$vllm_args" --out "$OUT/regen-$shape.json" \
