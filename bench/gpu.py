@@ -294,9 +294,12 @@ def install(piece: dict) -> None:
 
 
 def _trainer_python() -> Path:
+    """The trainer's interpreter on its own path. GPU_TRAINER_PYTHON: another interpreter
+    under the same path (the CPU rehearsal's .venv-train; the device has one python3)."""
     wrapper = DEVICE / "train-python"
+    python = os.environ.get("GPU_TRAINER_PYTHON", sys.executable)
     wrapper.write_text("#!/bin/sh\nPYTHONPATH=%s exec %s \"$@\"\n"
-                       % (gpu_sites.pythonpath("trainer", ROOT), sys.executable))
+                       % (gpu_sites.pythonpath("trainer", ROOT), python))
     wrapper.chmod(0o755)
     return wrapper
 

@@ -10,6 +10,7 @@
 # attention, native ops, eager: it cannot take CUDA graphs) and ACCEPTANCE_ENGINE (vllm) let
 # the same step run on the CPU build as its rehearsal (docs/gpu.md).
 set -uo pipefail
+shopt -s nullglob
 t0=$SECONDS
 left() { echo $((BUDGET_S - (SECONDS - t0))); }
 stamp() { echo "$1 $2 s" >> "$RESULTS/times.txt"; }

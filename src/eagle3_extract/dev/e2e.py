@@ -35,6 +35,7 @@ from eagle3_extract.drafter.chart import acceptance_chart, report_series
 from eagle3_extract.layout import ACCEPTANCE_JSON, MANIFEST_JSON, STATES_KEY
 from eagle3_extract.manifest import write_json_atomic
 
+TIMES: list[dict[str, Any]] = []  # each step this run: its output dir and wall seconds
 CONTROL_MARK = "e2e_control"  # sample metadata: the last layer was replaced by its post-norm
 
 
@@ -52,6 +53,7 @@ class Lane:
 
     def step(self, module: str, *overrides: str) -> None:
         cmd = [sys.executable, "-m", STEPS[module], *overrides]
+        t = time.monotonic()
         where = f" (log {self.log})" if self.log else ""
         print(f"e2e: {module} {' '.join(overrides)}{where}", flush=True)
         if self.log:
@@ -63,6 +65,11 @@ class Lane:
         if r.returncode:
             raise SystemExit(f"e2e: {module} exited {r.returncode}{where}; fix it and rerun "
                              "(each step resumes)")
+        took = round(time.monotonic() - t, 1)
+        TIMES.append({"step": module, "out": next((o.split("=", 1)[1] for o in overrides
+                                                   if o.startswith("output.dir=")), ""),
+                      "seconds": took})
+        print(f"e2e: {module} done in {took} s", flush=True)
 
 
 def core_groups(n: int) -> list[dict[str, str]]:
@@ -279,6 +286,7 @@ def main(argv: list[str] | None = None) -> int:
                          f"{args.heldout} held-out prompts, train={args.train}")
     result["problems"] = problems
     result["seconds"] = round(time.monotonic() - t0, 1)
+    result["steps"] = TIMES  # this run's (a resumed step counts only what was left)
     write_json_atomic(out / "e2e.json", result)
     for name in ("real", "control", "fp8", *(f"curve-{n}" for n in args.curve)):
         if name in reports:
