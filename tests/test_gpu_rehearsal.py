@@ -46,7 +46,7 @@ def test_the_e2e_step_runs_here_through_the_driver(tmp_path, monkeypatch):
     with tarfile.open(out / "e2e-results.tar.gz") as t:
         t.extractall(back, filter="data")
     regen = json.loads((back / "regen.json").read_text())
-    assert regen["same_tokens"] and regen["ratio"] > 0
+    assert regen["same_tokens"] and regen["samples_differing"] == 0 and regen["ratio"] > 0
     e2e = json.loads((back / "e2e.json").read_text())
     assert len(e2e["real"]["acceptance_per_position"]) == 3 and e2e["samples"] == 12
     assert [s["step"] for s in e2e["steps"]] == ["regenerate", "cli", "train", "acceptance"]

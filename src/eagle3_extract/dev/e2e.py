@@ -200,7 +200,11 @@ def run_chains(out: Path, args: argparse.Namespace) -> dict[str, dict[str, Any]]
 
     with ThreadPoolExecutor(max_workers=jobs) as pool:
         futures = {name: pool.submit(one, name) for name in names}
-        return {name: f.result() for name, f in futures.items()}
+        try:
+            return {name: f.result() for name, f in futures.items()}
+        except BaseException:  # a failed chain: the ones not started yet never start
+            pool.shutdown(wait=True, cancel_futures=True)
+            raise
 
 
 def main(argv: list[str] | None = None) -> int:
