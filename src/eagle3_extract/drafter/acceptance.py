@@ -34,7 +34,7 @@ from eagle3_extract.drafter.chart import acceptance_chart, report_series
 from eagle3_extract.config import validate_acceptance
 from eagle3_extract.errors import JobError, PreflightError
 from eagle3_extract.layout import ACCEPTANCE_JSON, ACCEPTANCE_PNG, TRAIN_JSON
-from eagle3_extract.manifest import write_json_atomic, write_run_json
+from eagle3_extract.manifest import write_json_atomic
 
 log = logging.getLogger("eagle3_extract")
 
@@ -263,8 +263,6 @@ class Plan:
     eos: set[int]
     aux_ids: list[int]
     record: dict[str, Any] | None
-    ident: dict[str, Any]
-    resumed: bool  # output.dir holds this run already (its report, if whole, is the result)
 
 
 def _prompts(cfg: Any, tokenizer: Any) -> list[list[int]]:
@@ -300,31 +298,6 @@ def _prompts(cfg: Any, tokenizer: Any) -> list[list[int]]:
     if skipped:
         log.warning("%d rows skipped (no usable prompt)", skipped)
     return prompts
-
-
-def run_identity(cfg: Any, info: Any, drafter: Path) -> dict[str, Any]:
-    """What determines the report: the target and the drafter by their bytes, the prompts,
-    the measurement and the engine. A rerun with the same identity is the same measurement
-    (the report is read back, nothing is generated again: `make e2e` reruns every step);
-    another one is refused in a folder that holds this one. The pass/fail thresholds are
-    checks on the report, not part of it."""
-    from omegaconf import OmegaConf
-
-    from eagle3_extract.manifest import file_sha256, with_run_id
-
-    def plain(node: Any) -> Any:
-        return OmegaConf.to_container(node, resolve=True)
-
-    measure = {k: v for k, v in plain(cfg.acceptance).items()
-               if k not in ("min_first_position", "max_first_position")}
-    return with_run_id({
-        "kind": PROG,
-        "model": {**plain(cfg.model), "resolved_path": str(info.path),
-                  "config_sha256": file_sha256(Path(info.path) / "config.json")},
-        "drafter": {"path": str(drafter),
-                    "model_sha256": file_sha256(drafter / "model.safetensors"),
-                    "config_sha256": file_sha256(drafter / "config.json")},
-        "dataset": plain(cfg.dataset), "acceptance": measure, "engine": plain(cfg.engine)})
 
 
 def preflight(cfg: Any) -> Plan:
@@ -384,13 +357,9 @@ def preflight(cfg: Any) -> Plan:
         eos_ids |= set(g if isinstance(g, list) else [g]) - {None}
     out = Path(str(cfg.output.dir)).expanduser().resolve()
     from eagle3_extract.extract.job import check_writable
-    from eagle3_extract.manifest import check_run_json
 
     check_writable(out)
-    ident = run_identity(cfg, info, drafter)
-    resumed = check_run_json(out, ident)  # another run's folder: one line, refused
-    return Plan(cfg, info, drafter, out, prompts, {int(e) for e in eos_ids}, aux, record,
-                ident, resumed)
+    return Plan(cfg, info, drafter, out, prompts, {int(e) for e in eos_ids}, aux, record)
 
 
 def _device(cfg: Any) -> torch.device:
@@ -474,15 +443,8 @@ def run(cfg: Any) -> dict[str, Any]:
     if cfg.dry_run:
         print(f"{PROG}: dry run: preflight ok, nothing generated", flush=True)
         return {}
-    if plan.resumed and (plan.out / REPORT).is_file():
-        rep = json.loads((plan.out / REPORT).read_text())
-        if rep.get("run_id") == plan.ident["run_id"]:
-            print(f"{PROG}: {plan.out / REPORT} is this run's report, made before: "
-                  "nothing generated", flush=True)
-            return _verdict(cfg, plan, rep)
-    write_run_json(plan.out, plan.ident)  # before the report: the folder is this run's
     rep = run_hf(plan) if engine == "hf" else run_vllm(plan)
-    rep.update({"run_id": plan.ident["run_id"], "kind": PROG, "engine": engine, "drafter": str(plan.drafter),
+    rep.update({"kind": PROG, "engine": engine, "drafter": str(plan.drafter),
                 "aux_layer_ids": plan.aux_ids, "model": plan.info.path,
                 "dataset": {"path": str(cfg.dataset.path), "max_samples": cfg.dataset.max_samples,
                             "seed": int(cfg.dataset.seed)},
@@ -494,10 +456,6 @@ def run(cfg: Any) -> dict[str, Any]:
                      f"{PROG}: {Path(str(plan.drafter)).name} on {Path(plan.info.path).name}",
                      f"{rep['prompts']} prompts, {rep['drafts']} drafts of "
                      f"{rep['num_speculative_tokens']} tokens, engine {engine}")
-    return _verdict(cfg, plan, rep)
-
-
-def _verdict(cfg: Any, plan: Plan, rep: dict[str, Any]) -> dict[str, Any]:
     per = " / ".join(f"{a:.1%}" for a in rep["acceptance_per_position"])
     print(f"{PROG}: acceptance per position {per}; mean acceptance length "
           f"{rep['mean_acceptance_length']:.3f} over {rep['drafts']} drafts, "
