@@ -161,6 +161,33 @@ def test_acceptance_job_reports_and_gates(trained):
         assert "below acceptance.min_first_position" in r.stderr
 
 
+def test_acceptance_rerun_reads_its_report_back_and_refuses_another(trained):
+    """`make e2e` resumes by rerunning every step: a finished measurement is read back
+    (no engine, the same report, the thresholds checked anew); another measurement in its
+    folder, or a folder holding a report that names no run, is refused in one line."""
+    d = trained / "d" / "drafter"
+    out = trained / "acc-rerun"
+    args = ["model=tiny", f"drafter.dir={d}", "dataset=sample", "dataset.max_samples=2",
+            "acceptance.max_tokens=16", f"output.dir={out}"]
+    cli("acceptance", *args)
+    before = (out / "acceptance.json").read_bytes()
+    assert json.loads(before)["run_id"] == json.loads((out / "run.json").read_text())["run_id"]
+    r = cli("acceptance", *args, "acceptance.min_first_position=0.0")
+    assert "made before: nothing generated" in r.stdout and "mean acceptance length" in r.stdout
+    assert (out / "acceptance.json").read_bytes() == before
+    r = cli("acceptance", *args, "acceptance.max_tokens=12", check=False)
+    err = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(err) == 1 and "report of another measurement" in err[0]
+    (out / "run.json").unlink()  # the report alone still says whose it is
+    assert "made before" in cli("acceptance", *args).stdout
+    rep = json.loads(before)
+    del rep["run_id"]  # a report of an older version, which named no run
+    (out / "acceptance.json").write_text(json.dumps(rep))
+    r = cli("acceptance", *args, check=False)
+    assert r.returncode == 2 and "report of another measurement" in r.stderr
+    assert (out / "acceptance.json").read_text() == json.dumps(rep)  # nothing touched
+
+
 def test_preflight_errors_are_one_line_exit_2(trained, tmp_path):
     d = trained / "d" / "drafter"
     cases = [

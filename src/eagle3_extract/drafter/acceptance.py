@@ -263,6 +263,8 @@ class Plan:
     eos: set[int]
     aux_ids: list[int]
     record: dict[str, Any] | None
+    ident: dict[str, Any]
+    done: dict[str, Any] | None  # this run's own report, found whole in output.dir
 
 
 def _prompts(cfg: Any, tokenizer: Any) -> list[list[int]]:
@@ -298,6 +300,56 @@ def _prompts(cfg: Any, tokenizer: Any) -> list[list[int]]:
     if skipped:
         log.warning("%d rows skipped (no usable prompt)", skipped)
     return prompts
+
+
+def run_identity(cfg: Any, info: Any, drafter: Path) -> dict[str, Any]:
+    """What determines the report: the target and the drafter by their bytes, the prompts,
+    the measurement and the engine. The pass/fail thresholds are checks on a report, not
+    part of it: a rerun with other thresholds reads the same report back."""
+    from omegaconf import OmegaConf
+
+    from eagle3_extract.manifest import file_sha256, with_run_id
+
+    def plain(node: Any) -> Any:
+        return OmegaConf.to_container(node, resolve=True)
+
+    measure = {k: v for k, v in plain(cfg.acceptance).items()
+               if k not in ("min_first_position", "max_first_position")}
+    return with_run_id({
+        "kind": PROG,
+        "model": {"config_sha256": file_sha256(Path(info.path) / "config.json"),
+                  "max_model_len": int(cfg.model.max_model_len)},
+        "drafter": {"model_sha256": file_sha256(drafter / "model.safetensors"),
+                    "config_sha256": file_sha256(drafter / "config.json")},
+        "dataset": plain(cfg.dataset), "acceptance": measure, "engine": plain(cfg.engine)})
+
+
+def own_report(out: Path, ident: dict[str, Any]) -> dict[str, Any] | None:
+    """`out`'s report if it is this run's (a rerun: `make e2e` reruns every step); None
+    if `out` holds no report yet. Refused in one line: a report of another run, or a
+    folder that is not an acceptance output at all. The report names its own run id, so
+    it is trusted by its content, never by its name or by what lies beside it."""
+    from eagle3_extract.extract.job import check_writable
+    from eagle3_extract.layout import RUN_JSON
+    from eagle3_extract.manifest import check_run_json
+
+    path = out / REPORT
+    if path.is_file() and not path.is_symlink():
+        try:
+            rep = json.loads(path.read_text())
+        except (OSError, ValueError) as e:
+            raise PreflightError(f"output.dir={str(out)!r}: unreadable {REPORT} ({e}); "
+                                 "remove it, or set output.dir to a new directory") from e
+        if rep.get("run_id") == ident["run_id"]:
+            return rep
+        raise PreflightError(
+            f"output.dir={str(out)!r} holds the report of another measurement (run_id "
+            f"{rep.get('run_id')} there, {ident['run_id']} now: another drafter, model, "
+            "dataset or acceptance setting); set output.dir to a new directory")
+    if (out / RUN_JSON).exists() or (out / RUN_JSON).is_symlink():
+        check_run_json(out, ident)  # this run, cut off before its report: measured again
+    check_writable(out)  # beside a run.json anything goes; without, only an empty folder
+    return None
 
 
 def preflight(cfg: Any) -> Plan:
@@ -356,10 +408,9 @@ def preflight(cfg: Any) -> Plan:
         g = json.loads(gen_cfg.read_text()).get("eos_token_id")
         eos_ids |= set(g if isinstance(g, list) else [g]) - {None}
     out = Path(str(cfg.output.dir)).expanduser().resolve()
-    from eagle3_extract.extract.job import check_writable
-
-    check_writable(out)
-    return Plan(cfg, info, drafter, out, prompts, {int(e) for e in eos_ids}, aux, record)
+    ident = run_identity(cfg, info, drafter)
+    return Plan(cfg, info, drafter, out, prompts, {int(e) for e in eos_ids}, aux, record,
+                ident, own_report(out, ident))
 
 
 def _device(cfg: Any) -> torch.device:
@@ -443,8 +494,15 @@ def run(cfg: Any) -> dict[str, Any]:
     if cfg.dry_run:
         print(f"{PROG}: dry run: preflight ok, nothing generated", flush=True)
         return {}
+    if plan.done is not None:
+        print(f"{PROG}: {plan.out / REPORT} is this measurement's report, made before: "
+              "nothing generated", flush=True)
+        return _verdict(cfg, plan.out, plan.done)
+    from eagle3_extract.manifest import write_run_json
+
+    write_run_json(plan.out, plan.ident)  # before the report: the folder is this run's
     rep = run_hf(plan) if engine == "hf" else run_vllm(plan)
-    rep.update({"kind": PROG, "engine": engine, "drafter": str(plan.drafter),
+    rep.update({"run_id": plan.ident["run_id"], "kind": PROG, "engine": engine, "drafter": str(plan.drafter),
                 "aux_layer_ids": plan.aux_ids, "model": plan.info.path,
                 "dataset": {"path": str(cfg.dataset.path), "max_samples": cfg.dataset.max_samples,
                             "seed": int(cfg.dataset.seed)},
@@ -456,10 +514,14 @@ def run(cfg: Any) -> dict[str, Any]:
                      f"{PROG}: {Path(str(plan.drafter)).name} on {Path(plan.info.path).name}",
                      f"{rep['prompts']} prompts, {rep['drafts']} drafts of "
                      f"{rep['num_speculative_tokens']} tokens, engine {engine}")
+    return _verdict(cfg, plan.out, rep)
+
+
+def _verdict(cfg: Any, out: Path, rep: dict[str, Any]) -> dict[str, Any]:
     per = " / ".join(f"{a:.1%}" for a in rep["acceptance_per_position"])
     print(f"{PROG}: acceptance per position {per}; mean acceptance length "
           f"{rep['mean_acceptance_length']:.3f} over {rep['drafts']} drafts, "
-          f"{rep['generated_tokens']} tokens in {rep['seconds']} s ({plan.out / REPORT})",
+          f"{rep['generated_tokens']} tokens in {rep['seconds']} s ({out / REPORT})",
           flush=True)
     first = rep["acceptance_per_position"][0]
     lo, hi = cfg.acceptance.min_first_position, cfg.acceptance.max_first_position
