@@ -4,7 +4,8 @@ there that install them, run the experiment's step (resumable) and bring its res
     here:   python3 bench/gpu.py bundle              # the wheel groups (.gpu-bundle), once
             python3 bench/gpu.py plan EXPERIMENT     # stage .gpu-stage/, check the sites, print the calls
                 [--drafters DIR]  (acceptance: an e2e out dir)  [--no-rehearsal]  (before a
-                device package list exists: call 1 brings it back)
+                device package list exists: call 1 brings it back)  [--models a,b]  (the
+                real targets, models/real.py's names; default smollm2)
     there:  python3 bench/gpu.py call EXPERIMENT N   # call N of the plan, as the plan prints it
             python3 bench/gpu.py call EXPERIMENT run # the step again: it continues where a call stopped
     here:   python3 bench/gpu.py collect EXPERIMENT FILES_AT   # unpack a call's results
@@ -41,11 +42,11 @@ DEVICE = Path(os.environ.get("GPU_DRIVER_DIR", "/tmp/gpu"))  # the device's stat
 CALL_BYTES = 62 * 2**20  # of the 64 MiB a call carries (the checkout counted in: _tree_bytes)
 MAX_CARRY = 8
 CALL_LIMIT_S = 600
-GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+MODELS = ["smollm2"]  # the real targets a "model" piece stages (plan --models)
 
 KIT = ["whlA", "whlB", "vllm016-py.zip", "whlC"]
-# experiment -> the pieces its step needs, in install order ("model": the GGUF in parts;
-# ".bench-tok", "drafters", ".kernels/...": folders carried as they are)
+# experiment -> the pieces its step needs, in install order ("model": each target's GGUF in
+# parts, staged as <name>.gguf; ".bench-tok", "drafters", ".kernels/...": folders as they are)
 EXPERIMENTS: dict[str, list[str]] = {
     "e2e": [*KIT, "whlT", "model"],  # the regeneration ratio, then the drafter chain
     "acceptance": [*KIT, "model", "drafters"],  # vLLM's EAGLE-3 (and our loop) on drafters
@@ -117,12 +118,15 @@ def _tree_bytes() -> int:
                if n and (ROOT / n.decode()).is_file())
 
 
-def _model_gguf() -> Path:
+def _model_gguf(name: str) -> Path:
+    """A real target's GGUF here (models/real.py; the Qwen parts are fetched once)."""
     venv = ROOT / ".venv" / "bin" / "python"
-    r = subprocess.run([str(venv), "-c", "from eagle3_extract.models.smollm2 import gguf_path; "
-                        "print(gguf_path())"], capture_output=True, text=True, cwd=ROOT)
+    r = subprocess.run([str(venv), "-c", "import sys; from eagle3_extract.models.real "
+                        "import local_gguf; print(local_gguf(sys.argv[1]))", name],
+                       capture_output=True, text=True, cwd=ROOT)
     if r.returncode:
-        raise SystemExit("gpu: the SmolLM2 GGUF is not installed here: `make venv` first")
+        tail = (r.stderr.strip().splitlines() or ["?"])[-1]
+        raise SystemExit(f"gpu: {name}'s GGUF is not here ({tail}): `make venv` first")
     return Path(r.stdout.strip())
 
 
@@ -155,9 +159,12 @@ def _stage_drafters(src: Path) -> None:
         raise SystemExit(f"gpu: no drafter under {src}/drafter-{{real,control}}/drafter")
 
 
-def plan(experiment: str, drafters: Path | None = None, rehearse: bool = True) -> list[dict]:
+def plan(experiment: str, drafters: Path | None = None, rehearse: bool = True,
+         models: list[str] | None = None) -> list[dict]:
     """Pack the experiment's pieces into calls; write .gpu-stage/<exp>/plan.json."""
-    pieces = EXPERIMENTS[experiment]
+    models = models or MODELS
+    pieces = [p for n in EXPERIMENTS[experiment]
+              for p in ([f"model:{m}" for m in models] if n == "model" else [n])]
     for name in pieces:
         if name in gpu_sites.SITES and not _piece_path(name).exists():
             raise SystemExit(f"gpu: {BUNDLE.name}/{name} is missing: `python3 bench/gpu.py bundle`")
@@ -177,11 +184,12 @@ def plan(experiment: str, drafters: Path | None = None, rehearse: bool = True) -
     calls: list[list[dict]] = [[]]
     room = cap
     parts_dir = STAGE / "parts"
+    shutil.rmtree(parts_dir, ignore_errors=True)
     for name in pieces:
-        if name == "model":
-            gguf = _model_gguf()
-            shutil.rmtree(parts_dir, ignore_errors=True)
-            parts_dir.mkdir(parents=True)
+        if name.startswith("model:"):
+            model = name.split(":", 1)[1]
+            gguf = _model_gguf(model)
+            (parts_dir / model).mkdir(parents=True, exist_ok=True)
             data_left, k = gguf.stat().st_size, 0
             with open(gguf, "rb") as src:
                 while data_left:
@@ -189,15 +197,16 @@ def plan(experiment: str, drafters: Path | None = None, rehearse: bool = True) -
                         calls.append([])
                         room = cap
                     n = min(room, data_left)
-                    part = parts_dir / f"part.{k}"
+                    part = parts_dir / model / f"part.{k}"
                     part.write_bytes(src.read(n))
-                    calls[-1].append({"name": f"model part {k}", "kind": "part",
+                    calls[-1].append({"name": f"{model} part {k}", "kind": "part",
                                       "path": str(part.relative_to(ROOT)), "bytes": n,
                                       "sha256": sha256_of(part)})
                     room -= n
                     data_left -= n
                     k += 1
-            calls[-1][-1]["whole"] = {"file": GGUF, "sha256": sha256_of(gguf), "parts": k}
+            calls[-1][-1]["whole"] = {"file": f"{model}.gguf", "sha256": sha256_of(gguf),
+                                      "parts": k}
             continue
         path = _piece_path(name)
         if not path.exists():
@@ -217,7 +226,8 @@ def plan(experiment: str, drafters: Path | None = None, rehearse: bool = True) -
         room -= n
     out = STAGE / experiment
     out.mkdir(parents=True, exist_ok=True)
-    record = {"experiment": experiment, "calls": calls, "made": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    record = {"experiment": experiment, "models": models, "calls": calls,
+              "made": time.strftime("%Y-%m-%dT%H:%M:%S")}
     (out / "plan.json").write_text(json.dumps(record, indent=1) + "\n")
     plan_rel = str((out / "plan.json").relative_to(ROOT))
     for i, call in enumerate(calls, 1):
@@ -225,6 +235,9 @@ def plan(experiment: str, drafters: Path | None = None, rehearse: bool = True) -
         mib = sum(p["bytes"] for p in call) / 2**20
         say(f"call {i}/{len(calls)} ({mib:.0f} MiB): carry {json.dumps(carry)} -> "
             f"python3 bench/gpu.py call {experiment} {i}")
+    if any(p.startswith("model:") for p in pieces):
+        say(f"targets {', '.join(models)}: the step sees MODELS={' '.join(models)!r} and "
+            "$GPU_STAGE/<name>.gguf")
     say(f"then, to continue a step its call's time stopped: carry {json.dumps([plan_rel])} -> "
         f"python3 bench/gpu.py call {experiment} run")
     return calls
@@ -271,19 +284,20 @@ def install(piece: dict) -> None:
 
         zipfile.ZipFile(path).extractall(piece["site"])
     elif kind == "part":
-        shutil.copy2(path, stage / path.name)
+        parts = stage / f"{path.parent.name}.parts"
+        parts.mkdir(exist_ok=True)
+        shutil.copy2(path, parts / path.name)
         whole = piece.get("whole")
         if whole:
             target = stage / whole["file"]
             with open(target, "wb") as out:
                 for k in range(whole["parts"]):
-                    with open(stage / f"part.{k}", "rb") as part:
+                    with open(parts / f"part.{k}", "rb") as part:
                         shutil.copyfileobj(part, out)
             if sha256_of(target) != whole["sha256"]:
                 raise SystemExit(f"gpu: {whole['file']} does not reassemble from its parts "
                                  "(a call was lost): start again at call 1")
-            for k in range(whole["parts"]):
-                (stage / f"part.{k}").unlink()
+            shutil.rmtree(parts)
     else:  # a folder or file the step reads as it is: kept beside the parts
         dst = stage / path.name
         shutil.rmtree(dst, ignore_errors=True)
@@ -304,13 +318,14 @@ def _trainer_python() -> Path:
     return wrapper
 
 
-def run_step(experiment: str, budget_s: int, out: Path) -> int:
+def run_step(experiment: str, budget_s: int, out: Path, models: list[str]) -> int:
     results = DEVICE / "results" / experiment
     results.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "PYTHONPATH": gpu_sites.pythonpath("cli", ROOT),
            "EAGLE3_TRAIN_PYTHON": str(_trainer_python()), "GPU_STAGE": str(DEVICE / "stage"),
            "RESULTS": str(results), "BUDGET_S": str(budget_s), "GPU_HOME": str(DEVICE), "PYTHONUNBUFFERED": "1",
-           "VLLM_WORKER_MULTIPROC_METHOD": "spawn", "EAGLE3_CACHE": str(DEVICE / "cache")}
+           "VLLM_WORKER_MULTIPROC_METHOD": "spawn", "EAGLE3_CACHE": str(DEVICE / "cache"),
+           "MODELS": " ".join(models)}
     step = ROOT / "bench" / "gpu_steps" / f"{experiment}.sh"
     say(f"step {step.relative_to(ROOT)} with {budget_s} s")
     t = time.monotonic()
@@ -352,7 +367,8 @@ def call(experiment: str, which: str) -> int:
     if n < len(calls):
         return 0
     limit = int(os.environ.get("GPU_CALL_LIMIT_S", CALL_LIMIT_S))
-    return run_step(experiment, int(limit - (time.monotonic() - t0) - 45), out)
+    return run_step(experiment, int(limit - (time.monotonic() - t0) - 45), out,
+                    record.get("models", MODELS))
 
 
 def main(argv: list[str]) -> int:
@@ -366,7 +382,8 @@ def main(argv: list[str]) -> int:
         raise SystemExit(f"gpu: {what} needs one of {', '.join(EXPERIMENTS)}")
     if what == "plan":
         drafters = Path(rest[rest.index("--drafters") + 1]) if "--drafters" in rest else None
-        plan(rest[0], drafters, rehearse="--no-rehearsal" not in rest)
+        models = rest[rest.index("--models") + 1].split(",") if "--models" in rest else None
+        plan(rest[0], drafters, rehearse="--no-rehearsal" not in rest, models=models)
         return 0
     if what == "call":
         return call(rest[0], rest[1] if len(rest) > 1 else "1")

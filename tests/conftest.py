@@ -22,6 +22,10 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Engines held by a module's fixtures wait between tests: their workers sleep after 3 s
 # idle instead of spinning a core that the HF reference (or CI's other streams) needs.
 os.environ.setdefault("VLLM_SLEEP_WHEN_IDLE", "1")
+# setuptools before any test imports the stdlib's distutils: vLLM's import of
+# torch.utils.cpp_extension imports setuptools, whose distutils override asserts (and fails
+# the test, depending on test order) when the stdlib copy was loaded first.
+import setuptools  # noqa: E402,F401
 
 
 class _ShmOfThisSession:

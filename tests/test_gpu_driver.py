@@ -94,11 +94,13 @@ def small_experiment(tmp_path, monkeypatch):
     (root / "bench" / "gpu_steps").mkdir(parents=True)
     (root / ".gpu-bundle" / "whlX").mkdir(parents=True)
     _wheel(root / ".gpu-bundle" / "whlX", "gpu_driver_probe", "1.0")
-    gguf = tmp_path / gpu.GGUF
+    gguf = tmp_path / "SmolLM2.gguf"
     gguf.write_bytes(bytes(range(256)) * (5 * 4096))
     (root / "bench" / "gpu_steps" / "probe.sh").write_text(
-        'set -e\ntest -f "$GPU_STAGE/%s"\npython3 -c "import gpu_driver_probe as p; print(p.VERSION)"'
-        ' > "$RESULTS/probe.txt"\necho "$PYTHONPATH" > "$RESULTS/path.txt"\n' % gpu.GGUF)
+        'set -e\nfor m in $MODELS; do cmp "$GPU_STAGE/$m.gguf" %s; done\n'
+        'python3 -c "import gpu_driver_probe as p; print(p.VERSION)" > "$RESULTS/probe.txt"\n'
+        'echo "$PYTHONPATH" > "$RESULTS/path.txt"\necho "$MODELS" > "$RESULTS/models.txt"\n'
+        % gguf)
     site = tmp_path / "site"
     monkeypatch.setattr(gpu, "ROOT", root)
     monkeypatch.setattr(gpu, "BUNDLE", root / ".gpu-bundle")
@@ -106,7 +108,7 @@ def small_experiment(tmp_path, monkeypatch):
     monkeypatch.setattr(gpu, "DEVICE", tmp_path / "device")
     monkeypatch.setattr(gpu, "CALL_BYTES", 2 * 2**20)
     monkeypatch.setattr(gpu, "_tree_bytes", lambda: 0)
-    monkeypatch.setattr(gpu, "_model_gguf", lambda: gguf)
+    monkeypatch.setattr(gpu, "_model_gguf", lambda name: gguf)
     monkeypatch.setattr(gpu_sites, "SITES", {"whlX": str(site)})
     monkeypatch.setitem(gpu_sites.PATHS, "cli", [str(site), "src"])
     monkeypatch.setitem(gpu.EXPERIMENTS, "probe", ["whlX", "model"])
@@ -120,7 +122,7 @@ def test_the_driver_stages_installs_runs_and_collects(small_experiment, capsys):
     assert len(calls) == 3 and calls[0][0]["name"] == "whlX"
     assert all(sum(p["bytes"] for p in c) <= 2 * 2**20 for c in calls)
     printed = capsys.readouterr().out
-    assert "python3 bench/gpu.py call probe 3" in printed and ".gpu-stage/parts/part.0" in printed
+    assert "python3 bench/gpu.py call probe 3" in printed and ".gpu-stage/parts/smollm2/part.0" in printed
     with pytest.raises(SystemExit, match="start again at call 1"):
         gpu.call("probe", "3")  # a cold machine: calls 1 and 2 never ran here
     for i in (1, 2):
@@ -131,14 +133,29 @@ def test_the_driver_stages_installs_runs_and_collects(small_experiment, capsys):
         t.extractall(tmp / "back", filter="data")
     assert (tmp / "back" / "probe.txt").read_text().strip() == "1.0"
     assert (tmp / "back" / "path.txt").read_text().strip() == f"{tmp / 'site'}:{root / 'src'}"
-    assert not list((tmp / "device" / "stage").glob("part.*"))  # reassembled, parts gone
+    assert (tmp / "back" / "models.txt").read_text().strip() == "smollm2"
+    assert not list((tmp / "device" / "stage").glob("*.parts"))  # reassembled, parts gone
     assert gpu.call("probe", "run") == 0  # the step again, nothing to install
+
+
+def test_two_targets_stage_side_by_side_and_the_step_names_them(small_experiment):
+    root, tmp = small_experiment
+    calls = gpu.plan("probe", rehearse=False, models=["qwen25_coder_1_5b", "smollm2"])
+    names = [p["name"] for c in calls for p in c]
+    assert names[0] == "whlX" and "qwen25_coder_1_5b part 0" in names and "smollm2 part 2" in names
+    wholes = [p["whole"]["file"] for c in calls for p in c if "whole" in p]
+    assert wholes == ["qwen25_coder_1_5b.gguf", "smollm2.gguf"]
+    for i in range(1, len(calls) + 1):
+        assert gpu.call("probe", str(i)) == 0  # the step's cmp checks both reassembled files
+    with tarfile.open(tmp / "out" / "probe-results.tar.gz") as t:
+        t.extractall(tmp / "back", filter="data")
+    assert (tmp / "back" / "models.txt").read_text().split() == ["qwen25_coder_1_5b", "smollm2"]
 
 
 def test_a_stale_piece_is_refused_before_it_is_installed(small_experiment):
     root, _ = small_experiment
     gpu.plan("probe", rehearse=False)
-    part = root / ".gpu-stage" / "parts" / "part.1"
+    part = root / ".gpu-stage" / "parts" / "smollm2" / "part.1"
     part.write_bytes(b"x" + part.read_bytes()[1:])
     gpu.call("probe", "1")
     with pytest.raises(SystemExit, match="not the piece the plan staged"):

