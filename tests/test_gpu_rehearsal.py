@@ -32,7 +32,7 @@ def test_the_e2e_step_runs_here_through_the_driver(tmp_path, monkeypatch):
     assert TRAIN_PYTHON.exists(), "make venv-train first (the engine lane builds it)"
     device = tmp_path / "device"
     (device / "stage").mkdir(parents=True)
-    shutil.copy(gguf_path(), device / "stage" / gpu.GGUF)
+    shutil.copy(gguf_path(), device / "stage" / "smollm2.gguf")
     monkeypatch.setattr(gpu, "DEVICE", device)
     monkeypatch.setenv("GPU_TRAINER_PYTHON", str(TRAIN_PYTHON))
     monkeypatch.setenv("PATH", f"{Path(sys.executable).parent}:{os.environ['PATH']}")
@@ -41,15 +41,15 @@ def test_the_e2e_step_runs_here_through_the_driver(tmp_path, monkeypatch):
         monkeypatch.setenv(key, value)
     out = tmp_path / "out"
     out.mkdir()
-    assert gpu.run_step("e2e", 1500, out) == 0
+    assert gpu.run_step("e2e", 1500, out, ["smollm2"]) == 0
     back = tmp_path / "back"
     with tarfile.open(out / "e2e-results.tar.gz") as t:
         t.extractall(back, filter="data")
     regen = json.loads((back / "regen.json").read_text())
     assert regen["same_tokens"] and regen["samples_differing"] == 0 and regen["ratio"] > 0
-    e2e = json.loads((back / "e2e.json").read_text())
+    e2e = json.loads((back / "smollm2" / "e2e.json").read_text())
     assert len(e2e["real"]["acceptance_per_position"]) == 3 and e2e["samples"] == 12
     assert [s["step"] for s in e2e["steps"]] == ["regenerate", "cli", "train", "acceptance"]
-    record = json.loads((back / "drafter-real" / "eagle3-train.json").read_text())
+    record = json.loads((back / "smollm2" / "drafter-real" / "eagle3-train.json").read_text())
     assert record["versions"]["speculators"] == "0.9.0"  # the trainer's own environment
-    assert (back / "times.txt").read_text().splitlines()[0].startswith("model ")
+    assert (back / "times.txt").read_text().splitlines()[0].startswith("model(smollm2) ")

@@ -282,7 +282,15 @@ def vllm_ref(tmp_path_factory):
 @pytest.mark.engine
 def test_two_vllm_replicas_equal_the_unsharded_run(vllm_ref, tmp_path):
     out = tmp_path / "out"
-    r = run_cli(*VLLM, "parallel.data_parallel_size=2", f"output.dir={out}")
+    # The replicas split the cores this process may run on; an in-process vLLM CPU engine
+    # earlier in the lane binds its threads (ours restores the mask when it closes), and
+    # one CI run saw this process on one core. The job is given the whole machine here.
+    mask = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, range(os.cpu_count() or 1))
+    try:
+        r = run_cli(*VLLM, "parallel.data_parallel_size=2", f"output.dir={out}")
+    finally:
+        os.sched_setaffinity(0, mask)
     log = r.stdout + r.stderr
     assert r.returncode == 0, log[-4000:]
     assert_same_files(out, vllm_ref)
