@@ -53,6 +53,7 @@ EXPERIMENTS: dict[str, list[str]] = {
     "bench": [*KIT, ".bench-tok"],  # the 8B shape's phases, HF, writer profile, regen
     "train": ["whlC", "whlT"],  # the trainer on the tiny model, no vLLM
     "capture": [*KIT, ".kernels/vllm016-csrc.tar.gz"],  # vLLM's own kernels (the kernel kit)
+    "kimi": [*KIT, ".kernels/vllm016-csrc.tar.gz"],  # a Kimi-K2.5 TP rank and PP stage
 }
 # wheel groups for `bundle` beyond the vLLM kit's own (build-bundle.sh): our CLI's (cpu.lock's
 # pins; datasets 4 fits the kit's huggingface-hub 0.36.2) and the trainer's (train.lock's)

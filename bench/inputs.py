@@ -102,7 +102,12 @@ def synthetic(lengths: list[int], vocab: int, seed: int) -> Tokenized:
 
 
 def parse_lengths(args: Any) -> list[int] | None:
-    """`--synthetic NxL` (N samples of L tokens) or `--lengths A:B` (N uniform in [A, B])."""
+    """`--synthetic NxL` (N samples of L tokens), `--lengths A:B` (N uniform in [A, B]) or
+    `--mix TOKENS` (bench/mix.py's chat and reasoning lengths, adding up to TOKENS)."""
+    if getattr(args, "mix", None):
+        import mix
+
+        return mix.lengths(args.mix, args.seed)
     if args.synthetic:
         n, _, length = args.synthetic.lower().partition("x")
         return [int(length)] * int(n)
@@ -119,7 +124,8 @@ def load_data(args: Any, info: Any, config: dict, max_length: int) -> tuple[Toke
     if lengths is not None:
         vocab = int((config.get("text_config") or config).get("vocab_size", 32000))
         data = synthetic(lengths, vocab, args.seed)
-        return data, {"source": "synthetic", "spec": args.synthetic or args.lengths,
+        return data, {"source": "synthetic",
+                      "spec": args.synthetic or args.lengths or f"mix:{args.mix}",
                       "seed": args.seed}
     try:
         tok = load_tokenizer(info.tokenizer_path, args.trust_remote_code)

@@ -62,6 +62,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     data.add_argument("--synthetic", metavar="NxL", help="N random sequences of L tokens")
     data.add_argument("--lengths", metavar="A:B",
                       help="--samples random sequences, lengths uniform in [A, B]")
+    data.add_argument("--mix", type=int, metavar="TOKENS",
+                      help="random sequences of bench/mix.py's chat and reasoning lengths, "
+                           "TOKENS in all")
     p.add_argument("--samples", type=int, default=64,
                    help="count for --lengths; at most this many of the sample set")
     p.add_argument("--max-length", type=int, default=None,
@@ -82,6 +85,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--trust-remote-code", action="store_true")
     p.add_argument("--warmup", type=int, default=1, help="batches run untimed before phases")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--phases", default="prefill,extract_host,extract_disk",
+                   help="which of prefill, extract_host, extract_disk run (comma-separated; "
+                        "--more-writer-threads adds its own)")
+    p.add_argument("--no-disk-test", action="store_true",
+                   help="skip the raw-write test after the phases (a long run's bytes)")
     p.add_argument("--writer-threads", type=int, default=2)
     p.add_argument("--more-writer-threads", type=lambda s: [int(x) for x in s.split(",")],
                    default=[], metavar="N,M",
@@ -107,6 +115,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.repeats < 1 or args.warmup < 0:
         p.error("--repeats >= 1 and --warmup >= 0")
+    if not {"prefill", "extract_disk"} <= set(args.phases.split(",")) or not set(
+            args.phases.split(",")) <= {"prefill", "extract_host", "extract_disk"}:
+        p.error("--phases: prefill and extract_disk, and extract_host if wanted")
     return args
 
 
@@ -196,6 +207,8 @@ def main(argv: list[str] | None = None) -> dict:
            for n in args.more_writer_threads},
         "extract_disk": run_disk,  # last: its files are the ones checked and kept
     }
+    wanted = set(args.phases.split(",")) | {f"extract_disk_w{n}" for n in args.more_writer_threads}
+    runs = {k: fn for k, fn in runs.items() if k in wanted}
     results: dict[str, list] = {k: [] for k in runs}
     breakdown: dict = {}
     try:
@@ -207,11 +220,14 @@ def main(argv: list[str] | None = None) -> dict:
             for name, fn in runs.items():
                 results[name].append(fn(batches))
                 print(f"  {name:13s} {ntok / results[name][-1][0]:12,.0f} tok/s", flush=True)
-        files = check_files(files_root, batches, len(layer_ids), info.hidden_size)
+        files = check_files(files_root, batches, len(layer_ids), info.hidden_size) \
+            if "extract_disk" in runs else {"sizes": []}
         if not args.keep_files:  # checked: the raw-write test below needs their space
             shutil.rmtree(files_root, ignore_errors=True)
         raw_root.mkdir(parents=True, exist_ok=True)
-        if shutil.disk_usage(raw_root).free < 1.05 * sum(files["sizes"]):
+        if args.no_disk_test or not files["sizes"]:
+            disk_runs = []
+        elif shutil.disk_usage(raw_root).free < 1.05 * sum(files["sizes"]):
             print(f"  disk: {raw_root} has less room than the {sum(files['sizes']) / 1e9:.1f} GB "
                   "the raw-write test writes: skipped (--keep-files off gives it theirs)")
             disk_runs = []
@@ -275,7 +291,8 @@ def main(argv: list[str] | None = None) -> dict:
         "phases": figures,
         "files": {k: v for k, v in files.items() if k != "sizes"},
         "disk": disk,
-        "ratios": {"extract_host_vs_prefill": figures["extract_host"]["tok_s"] / prefill_tok_s,
+        "ratios": {"extract_host_vs_prefill": (figures["extract_host"]["tok_s"] / prefill_tok_s
+                                               if "extract_host" in figures else None),
                    "extract_disk_vs_prefill": wall / prefill_tok_s,
                    "extract_disk_steady_vs_prefill": e2e / prefill_tok_s,
                    **{f"extract_disk_w{n}_vs_prefill":
@@ -329,6 +346,8 @@ def print_summary(r: dict, out: Path) -> None:
     mfu = (r["flops"].get("mfu") or {})
     for name, label in (("prefill", "(1) prefill"), ("extract_host", "(2) extract->host"),
                         ("extract_disk", "(3) extract->disk")):
+        if name not in ph:
+            continue
         extra = f"  {ph[name]['bytes_per_s'] / 1e6:8,.0f} MB/s written" if name == (
             "extract_disk") else ""
         util = f"  MFU {mfu[name]:6.2%}" if name in mfu else ""
@@ -341,8 +360,9 @@ def print_summary(r: dict, out: Path) -> None:
         f = ph[f"extract_disk_w{n}"]
         print(f"  (3) with {n} writers {f['tok_s']:12,.0f} tok/s  {f['bytes_per_s'] / 1e6:8,.0f} "
               f"MB/s written  (3)/(1) = {ratios[f'extract_disk_w{n}_vs_prefill']:.3f} wall")
-    print(f"  (2)/(1) = {ratios['extract_host_vs_prefill']:.3f}   "
-          f"(3)/(1) = {ratios['extract_disk_vs_prefill']:.3f} wall, "
+    host = ratios["extract_host_vs_prefill"]
+    print(("" if host is None else f"  (2)/(1) = {host:.3f}   ") +
+          f"  (3)/(1) = {ratios['extract_disk_vs_prefill']:.3f} wall, "
           f"{ratios['extract_disk_steady_vs_prefill']:.3f} steady")
     if r["disk"]["bytes_per_s"]:
         print(f"  disk raw fsync write {r['disk']['bytes_per_s'] / 1e6:,.0f} MB/s -> "

@@ -7,12 +7,18 @@ on Hopper, FlashInfer and cuDNN prefill are off by default), which calls the com
 `kit.py install` puts this file in its place (`vllm/vllm_flash_attn/_vllm_fa2_C.py`):
 importing it registers `varlen_fwd` under the same name and argument order, computed with
 torch in float32 (scores, softmax, the log-sum-exp vLLM merges context chunks with).
-It is what FlashAttention computes, not how: figures from it are not FlashAttention's
-speed. Non-paged only (`block_table` None), no dropout, alibi, softcap or windows: what MLA
+On a CUDA device the op runs FlashAttention-2's own varlen forward kernel, the one torch
+vendors (`aten::_flash_attention_forward`: the same FA2 code vllm-flash-attn forks, bottom-
+right causal, grouped heads, lse [heads, total_q]) when the call is one it takes (bf16/fp16,
+q, k, v of one head size <= 256, as MLA's padded v is); `EAGLE3_VARLEN_KERNEL=torch` (and
+every other call) computes it with torch in float32 instead: what FlashAttention computes,
+not how, so figures from that path are not FlashAttention's speed. Non-paged only (`block_table` None), no dropout, alibi, softcap or windows: what MLA
 prefill passes; anything else is refused, never approximated.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -59,6 +65,14 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
     return out, lse
 
 
+def flash_takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether torch's FA2 varlen kernel runs this call (else the float32 path)."""
+    return (os.environ.get("EAGLE3_VARLEN_KERNEL", "flash") == "flash" and q.is_cuda
+            and q.dtype in (torch.bfloat16, torch.float16) and k.dtype == v.dtype == q.dtype
+            and q.shape[-1] == k.shape[-1] == v.shape[-1] and q.shape[-1] <= 256
+            and q.shape[-1] % 8 == 0)
+
+
 def varlen_fwd(q, k, v, out, cu_seqlens_q, cu_seqlens_k, seqused_k, leftpad_k, block_table,
                alibi_slopes, max_seqlen_q, max_seqlen_k, p_dropout, softmax_scale,
                zero_tensors, is_causal, window_size_left, window_size_right, softcap,
@@ -76,6 +90,14 @@ def varlen_fwd(q, k, v, out, cu_seqlens_q, cu_seqlens_k, seqused_k, leftpad_k, b
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"{q.shape[1]} query heads are not a multiple of {k.shape[1]} kv heads")
     total_q, heads = q.shape[0], q.shape[1]
+    if flash_takes(q, k, v):
+        o, lse, *_ = torch.ops.aten._flash_attention_forward(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 0.0, is_causal,
+            False, scale=softmax_scale)
+        if out is None:
+            return o, lse
+        out.copy_(o)
+        return out, lse
     if out is None:
         out = torch.empty(total_q, heads, v.shape[-1], dtype=q.dtype, device=q.device)
     lse = torch.empty(heads, total_q, dtype=torch.float32, device=q.device)
