@@ -61,6 +61,24 @@ watch_mem() {  # watch_mem NAME: the card's memory every second until the run en
     --format=csv,noheader,nounits -l 1 > "$OUT/mem-$1.csv" 2> /dev/null &
   MEM_PID=$!
 }
+memory() {  # memory NAME LOG: the card's peak and vLLM's own split of it -> mem-NAME.json
+  python3 - "$OUT/mem-$1.csv" "$2" "$UTIL" > "$OUT/mem-$1.json" <<'PY'
+import json, re, sys
+csv, log, util = sys.argv[1], open(sys.argv[2], errors="replace").read(), float(sys.argv[3])
+rows = [r.split(", ") for r in open(csv).read().splitlines() if r.count(",") >= 3]
+used = [int(r[1]) for r in rows if r[1].strip().isdigit()]
+total_gib = int(rows[0][2]) / 1024 if rows else None
+def gib(pattern):
+    m = re.findall(pattern, log)
+    return float(m[-1]) if m else None
+weights, kv = gib(r"Model loading took ([0-9.]+) GiB"), gib(r"Available KV cache memory: ([0-9.]+) GiB")
+rest = util * total_gib - weights - kv if None not in (weights, kv, total_gib) else None
+print(json.dumps({"peak_used_gib": max(used) / 1024 if used else None, "total_gib": total_gib,
+                  "gpu_memory_utilization": util, "weights_gib": weights, "kv_cache_gib": kv,
+                  "activation_and_non_torch_gib": rest}))
+PY
+  cat "$OUT/mem-$1.json"
+}
 bench() {  # bench NAME MODEL_DIR LAYERS NEED_S [ENV=...]: bench/run.py over the mix
   local name=$1 model=$2 layers=$3 need=$4 t=$SECONDS
   done_ "$name" && return
@@ -75,6 +93,7 @@ bench() {  # bench NAME MODEL_DIR LAYERS NEED_S [ENV=...]: bench/run.py over the
     > "$OUT/bench-$name.log" 2>&1
   local rc=$?
   kill "$MEM_PID" 2> /dev/null
+  memory "$name" "$OUT/bench-$name.log"
   echo "== $name rc=$rc in $((SECONDS - t)) s"
   grep -v '^(Worker\|Gloo\|^INFO\|^WARNING' "$OUT/bench-$name.log" | tail -8
   ((rc == 0)) && touch "$OUT/$name.done"
@@ -97,6 +116,7 @@ if want rank-job && ! done_ rank-job && (($(left) > 240)); then
     "+engine.vllm_args.compilation_config={custom_ops: [all]}" > "$OUT/job-rank.log" 2>&1
   rc=$?
   kill "$MEM_PID" 2> /dev/null
+  memory rank-job "$OUT/job-rank.log"
   echo "== rank-job rc=$rc in $((SECONDS - t)) s"; tail -6 "$OUT/job-rank.log"
   cp "$files/job/manifest.json" "$OUT/manifest-rank-job.json" 2> /dev/null && ((rc == 0)) \
     && touch "$OUT/rank-job.done"
