@@ -80,12 +80,19 @@ def layer_bytes(tp: int = 1, dense: bool = False) -> int:
     return attn + experts + shared + router
 
 
+def stage_layers(pp: int, layers: int = LAYERS) -> list[int]:
+    """vLLM 0.16's split (vllm/distributed/utils.py, get_pp_indices): layers // pp each,
+    one more for each of the `layers % pp` stages before the last."""
+    counts = [layers // pp] * pp
+    for i in range(2, layers % pp + 2):
+        counts[-i] += 1
+    return counts
+
+
 def card_bytes(tp: int, pp: int) -> int:
-    """The heaviest card's weights in a tp x pp layout: vLLM's stage split
-    (get_pp_indices: layers // pp each, the remainder to the last stages), the embedding
+    """The heaviest card's weights in a tp x pp layout: vLLM's stage split, the embedding
     on the first stage, the head on the last, each cut over tp."""
-    base, extra = divmod(LAYERS, pp)
-    counts = [base + (1 if i >= pp - extra else 0) for i in range(pp)]
+    counts = stage_layers(pp)
     vocab = KIMI["vocab_size"] // tp * KIMI["hidden_size"] * 2
     worst = 0
     for i, n in enumerate(counts):

@@ -84,17 +84,12 @@ def layer_model(stage: dict, rank: dict, rank_tp: int = 8) -> tuple[float, float
     return a, b
 
 
-def stage_layers(pp: int) -> list[int]:
-    base, extra = divmod(ks.LAYERS, pp)
-    return [base + (1 if i >= pp - extra else 0) for i in range(pp)]
-
-
 def predict(tp: int, pp: int, a: float, b: float, job_ratio: float, activation_gb: float,
             node: dict = NODE) -> dict:
     hidden = ks.KIMI["hidden_size"]
     compute_scale = H200["bf16_tflops"] / node["card_bf16_tflops"]
     bw_scale = H200["mem_bw_gbs"] / node["card_mem_bw_gbs"]
-    layers = max(stage_layers(pp))
+    layers = max(ks.stage_layers(pp))
     layer_s = a + b / tp
     compute = layers * layer_s
     ar_bytes = 2 * layers * 2 * (tp - 1) / tp * hidden * 2 if tp > 1 else 0.0

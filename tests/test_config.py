@@ -133,8 +133,12 @@ def test_every_experiment_preset_composes_and_validates(preset):
 def test_kimi_k25_chat_is_the_headline_job():
     assert "kimi_k25_chat" in _presets()
     c = cfg_for("experiment=kimi_k25_chat")
-    assert (c.model.name, c.model.tensor_parallel_size, c.model.trust_remote_code) == (
-        "kimi_k25_int4", 8, True)
+    assert (c.model.name, c.model.tensor_parallel_size, c.model.pipeline_parallel_size,
+            c.model.trust_remote_code) == ("kimi_k25_int4", 1, 8, True)  # layout=pp8
+    for layout, sizes in {"tp8": (8, 1), "tp4_pp2": (4, 2), "tp2_pp4": (2, 4)}.items():
+        o = cfg_for("experiment=kimi_k25_chat", f"layout={layout}")
+        assert (o.model.tensor_parallel_size, o.model.pipeline_parallel_size) == sizes
+        validate(o)
     assert (c.layers.name, c.layers.ids) == ("eagle3", None)  # default EAGLE-3 layers
     assert c.dataset.max_length == c.model.max_model_len - 1
     assert c.engine.token_budget >= c.dataset.max_length

@@ -118,6 +118,9 @@ def test_the_flash_attention_varlen_stand_in_is_attention(monkeypatch):
         q, k, v, out, cq, ck, None, None, None, None, max(lens_q), max(lens_k), 0.0, scale,
         False, True, -1, -1, 0.0, False, 0, None)
     assert got.data_ptr() == out.data_ptr() and lse.shape == (h, int(cq[-1]))
+    # on CPU (and with EAGLE3_VARLEN_KERNEL=torch) the float32 path computes it: torch's
+    # FlashAttention-2 kernel is CUDA only and takes q, k, v of one head size
+    assert not fa.flash_takes(q, k, v)
     for s in range(3):
         want, want_lse = naive(q[cq[s]:cq[s + 1]], k[ck[s]:ck[s + 1]], v[ck[s]:ck[s + 1]],
                                scale, causal=True)

@@ -47,7 +47,7 @@ def test_every_layout_is_near_an_eighth_of_the_model():
     assert ks.layouts() == [(1, 8), (2, 4), (4, 2), (8, 1)]
     for tp, pp in ks.layouts():
         assert 74e9 < ks.card_bytes(tp, pp) < 82e9, (tp, pp)
-    assert pn.stage_layers(8) == [7, 7, 7, 8, 8, 8, 8, 8] and sum(pn.stage_layers(4)) == 61
+    assert ks.stage_layers(8) == [7, 7, 8, 8, 8, 8, 8, 7] and ks.stage_layers(4) == [15, 15, 16, 15]
 
 
 def test_the_mix_adds_up_and_is_seeded():
