@@ -3,16 +3,16 @@
     python3 bench/predict_node.py [--rank docs/bench/...-kimi-rank.json]
                                   [--stage docs/bench/...-kimi-stage.json] [--json OUT]
 
-Nobody here has 8 RTX PRO 6000s, so the node's figure is a model fed by what one H200
-measured (bench/gpu_steps/kimi.sh: bench/run.py on a TP=8 rank, 61 layers at 1/8 width, and
-on a PP=8 stage, 8 full-width layers, the job's extraction to disk on the same engine as
+Nobody here has 8 RTX PRO 6000s, so the node's figure is a model fed by what one GPU
+measured (bench/gpu_steps/kimi.sh: bench/run.py on a TP=8 rank, layers at 1/8 width, and
+on a PP=8 stage of full-width layers; per layer, so a card too small for 61 or 8 runs fewer, the job's extraction to disk on the same engine as
 plain prefill) and by the node's published numbers (`NODE`, every value in one table in
 docs/BENCHMARKS.md). The model, per token:
 
   * a layer's time on a card holding 1/t of its width is a + b/t: a part that does not
     shrink with width (launches, routing, norms, MLA's replicated down-projections) and one
     that does; the stage (t=1) and the rank (t=8) fix a and b;
-  * H200 seconds become the node's card's by the ratio of dense bf16 tensor throughput
+  * the measuring card's seconds become the node's card's by the ratio of dense bf16 tensor throughput
     (prefill at 32k-token batches is compute-bound); the memory-bandwidth ratio gives the
     pessimistic figure;
   * tensor parallelism adds two all-reduces of hidden x 2 bytes per layer, a ring moving
@@ -50,15 +50,16 @@ NODE = {
     "allreduce_latency_us": 30.0,  # per NCCL all-reduce over PCIe
     "disk_gbs": 2.0,  # the node's output filesystem, sustained writes
 }
-H200 = {"bf16_tflops": 989.0, "mem_bw_gbs": 4800.0}  # the card the figures come from
-GPU_MEMORY_UTILIZATION = 0.92
+# the card the figures come from: the device tool lent an H100 SXM (80 GB) on 2026-12-06
+MEASURED_CARD = {"name": "H100 SXM", "bf16_tflops": 989.0, "mem_bw_gbs": 3350.0}
+GPU_MEMORY_UTILIZATION = 0.95  # vLLM's share; the capture and the context live in the rest
 PP_EFFICIENCY = 0.9  # pp batches in flight: stage imbalance beyond layer counts, bubbles
 TOKEN_BUDGET = 32768  # the preset's engine.token_budget: tokens per forward step
 CAPTURE_LAYERS = 4  # [2, 30, 58, 61]
 CONTEXT_GB = 1.0  # engine/memory.py's CONTEXT_BYTES
 KV_BYTES_PER_TOKEN_LAYER = (512 + 64) * 2  # MLA's latent cache, bf16, replicated over TP
-DEFAULT_RANK = ROOT / "docs/bench/2026-12-06-h200-kimi-k25-tp8-rank.json"
-DEFAULT_STAGE = ROOT / "docs/bench/2026-12-06-h200-kimi-k25-pp8-stage.json"
+DEFAULT_RANK = ROOT / "docs/bench/2026-12-06-h100-kimi-k25-tp8-rank.json"
+DEFAULT_STAGE = ROOT / "docs/bench/2026-12-06-h100-kimi-k25-pp8-stage.json"
 
 
 def measured(path: Path) -> dict:
@@ -87,8 +88,8 @@ def layer_model(stage: dict, rank: dict, rank_tp: int = 8) -> tuple[float, float
 def predict(tp: int, pp: int, a: float, b: float, job_ratio: float, activation_gb: float,
             node: dict = NODE) -> dict:
     hidden = ks.KIMI["hidden_size"]
-    compute_scale = H200["bf16_tflops"] / node["card_bf16_tflops"]
-    bw_scale = H200["mem_bw_gbs"] / node["card_mem_bw_gbs"]
+    compute_scale = MEASURED_CARD["bf16_tflops"] / node["card_bf16_tflops"]
+    bw_scale = MEASURED_CARD["mem_bw_gbs"] / node["card_mem_bw_gbs"]
     layers = max(ks.stage_layers(pp))
     layer_s = a + b / tp
     compute = layers * layer_s
@@ -103,20 +104,24 @@ def predict(tp: int, pp: int, a: float, b: float, job_ratio: float, activation_g
         return eff / (compute * scale + ar_s + send_s) * job_ratio
 
     weights = ks.card_bytes(tp, pp) / GB
-    capture_layers = min(CAPTURE_LAYERS, 2 if pp > 1 else CAPTURE_LAYERS)  # the last stage's
+    capture_layers = 2 if pp > 1 else CAPTURE_LAYERS  # the last stage holds 58 and 61
     capture = (TOKEN_BUDGET + 1024) * capture_layers * hidden * 2 * 2 / GB
     kv = TOKEN_BUDGET * layers * KV_BYTES_PER_TOKEN_LAYER / GB
-    need = weights + activation_gb + capture + CONTEXT_GB + kv
+    inside = weights + activation_gb + kv  # vLLM's gpu_memory_utilization share
+    outside = capture + CONTEXT_GB  # engine/memory.py: beside it
     room = GPU_MEMORY_UTILIZATION * node["card_memory_gb"]
+    rest = node["card_memory_gb"] - room
     tok_s = rate(compute_scale)
     return {"layout": f"tp{tp}_pp{pp}", "tp": tp, "pp": pp, "stage_layers": layers,
-            "tok_s": tok_s, "tok_s_low": rate(bw_scale),
+            "tok_s": tok_s, "tok_s_low": min(tok_s, rate(bw_scale)),
             "compute_us_per_token": compute * compute_scale * 1e6,
             "comm_bytes_per_token": {"allreduce_per_card": ar_bytes, "stage_send": send_bytes},
             "comm_us_per_token": (ar_s + send_s) * 1e6,
-            "card_gb": {"weights": weights, "activations": activation_gb, "capture": capture,
-                        "context": CONTEXT_GB, "kv_one_batch": kv, "need": need, "room": room},
-            "fits": need <= room,
+            "card_gb": {"weights": weights, "activations": activation_gb, "kv_one_batch": kv,
+                        "capture": capture, "context": CONTEXT_GB, "need": inside + outside,
+                        "vllm_share": inside, "vllm_room": room, "beside": outside,
+                        "beside_room": rest},
+            "fits": inside <= room and outside <= rest,
             "disk_gbs_needed": tok_s * CAPTURE_LAYERS * hidden * 2 / GB}
 
 
@@ -128,7 +133,7 @@ def report(rank: dict, stage: dict, node: dict = NODE) -> dict:
     fitting = [r for r in rows if r["fits"]]
     best = max(fitting, key=lambda r: r["tok_s"]) if fitting else None
     return {"measured": {"rank": rank, "stage": stage}, "layer_s": {"a": a, "b": b},
-            "job_vs_prefill": ratio, "activation_gb": act, "node": node, "h200": H200,
+            "job_vs_prefill": ratio, "activation_gb": act, "node": node, "measured_card": MEASURED_CARD,
             "pp_efficiency": PP_EFFICIENCY, "gpu_memory_utilization": GPU_MEMORY_UTILIZATION,
             "layouts": rows, "best": best and best["layout"], "user_tp8_tok_s": 2280,
             "goal_tok_s": 22800}
@@ -146,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
                              "step (docs/gpu.md) or pass --rank / --stage")
     r = report(measured(args.rank), measured(args.stage))
     m = r["measured"]
-    print(f"measured on the H200: rank {m['rank']['prefill_tok_s']:,.0f} tok/s prefill "
+    print(f"measured on the {MEASURED_CARD['name']}: rank {m['rank']['prefill_tok_s']:,.0f} tok/s prefill "
           f"({m['rank']['layers']} layers at 1/8), stage {m['stage']['prefill_tok_s']:,.0f} "
           f"({m['stage']['layers']} full layers); job/prefill {r['job_vs_prefill']:.3f}")
     print(f"{'layout':10s} {'tok/s':>8s} {'low':>8s} {'comm B/tok':>11s} {'comm us':>8s} "

@@ -82,11 +82,11 @@ def test_the_node_model_from_a_rank_and_a_stage(tmp_path):
         61 * 2 * 2 * 7 / 8 * 7168 * 2)
     assert rows["tp1_pp8"]["comm_bytes_per_token"] == {"allreduce_per_card": 0.0,
                                                         "stage_send": 2 * 7168 * 2}
-    scale = pn.H200["bf16_tflops"] / pn.NODE["card_bf16_tflops"]
+    scale = pn.MEASURED_CARD["bf16_tflops"] / pn.NODE["card_bf16_tflops"]
     pp8 = rows["tp1_pp8"]
     assert pp8["tok_s"] == pytest.approx(
         pn.PP_EFFICIENCY * 0.985 / (8 * 6e-6 * scale + 2 * 7168 * 2 / 25e9))
-    assert all(x["tok_s_low"] < x["tok_s"] for x in rows.values())
+    assert all(x["tok_s_low"] <= x["tok_s"] for x in rows.values())
     assert r["best"] in rows and rows[r["best"]]["fits"]
     # slower links only hurt the layouts that all-reduce
     slow = pn.report(rank, stage, {**pn.NODE, "link_gbs": 10.0})

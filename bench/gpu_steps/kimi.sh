@@ -26,6 +26,7 @@ REPEATS=${REPEATS:-4}
 JOB_TOKENS=${JOB_TOKENS:-300000}
 RANK_LAYERS=${RANK_LAYERS:-61}
 STAGE_LAYERS=${STAGE_LAYERS:-8}
+RANK_IDS=2,$((RANK_LAYERS / 2)),$((RANK_LAYERS - 3)),$RANK_LAYERS  # [2, 30, 58, 61] at 61
 UTIL=${UTIL:-0.9}
 want() { [[ " $STEPS " == *" $1 "* ]]; }
 
@@ -52,7 +53,7 @@ python3 bench/kimi_shapes.py rank /tmp/kimi-rank --layers "$RANK_LAYERS" > "$OUT
 python3 bench/kimi_shapes.py stage /tmp/kimi-stage --layers "$STAGE_LAYERS" > "$OUT/shape-stage.json"
 cat "$OUT/shape-rank.json" "$OUT/shape-stage.json"
 if (($(df --output=avail -B1G /dev/shm | tail -1) < 8)); then export EAGLE3_SHM_DIR=/tmp; fi
-files=/var/tmp/eagle3-kimi
+files=${FILES:-/var/tmp/eagle3-kimi}  # FILES=/dev/shm/...: the capture without the disk
 [[ $(findmnt -no FSTYPE -T /var/tmp) == tmpfs ]] && files=$PWD/.bench-out
 VLLM_ARGS='{"attention_config": {"backend": "TRITON_MLA"}, "compilation_config": {"custom_ops": ["all"]}}'
 
@@ -99,7 +100,7 @@ bench() {  # bench NAME MODEL_DIR LAYERS NEED_S [ENV=...]: bench/run.py over the
   ((rc == 0)) && touch "$OUT/$name.done"
 }
 
-want rank && bench rank /tmp/kimi-rank 2,30,58,"$RANK_LAYERS" 330
+want rank && bench rank /tmp/kimi-rank "$RANK_IDS" 330
 
 if want rank-job && ! done_ rank-job && (($(left) > 240)); then
   t=$SECONDS
@@ -109,7 +110,7 @@ if want rank-job && ! done_ rank-job && (($(left) > 240)); then
   timeout $(($(left) - 15)) python3 -m eagle3_extract.cli model=tiny model.path=/tmp/kimi-rank \
     model.tiny_config=null model.tokenizer=src/eagle3_extract/assets/tokenizer \
     model.load_format=dummy model.max_model_len=8192 model.gpu_memory_utilization="$UTIL" \
-    layers=explicit "layers.ids=[2,30,58,$RANK_LAYERS]" dataset=local \
+    layers=explicit "layers.ids=[$RANK_IDS]" dataset=local \
     dataset.path=/tmp/kimi-mix.jsonl dataset.max_length=8191 dataset.overlong=skip \
     engine.token_budget=32768 engine.max_num_seqs=64 output.dir="$files/job" \
     "+engine.vllm_args.attention_config={backend: TRITON_MLA}" \
@@ -123,9 +124,9 @@ if want rank-job && ! done_ rank-job && (($(left) > 240)); then
   rm -rf "$files/job"
 fi
 
-want stage && bench stage /tmp/kimi-stage 2,6,"$STAGE_LAYERS" 300
+want stage && bench stage /tmp/kimi-stage "2,$((STAGE_LAYERS - 1)),$STAGE_LAYERS" 300
 
 # the stand-in's share: the rank's mix once, MLA prefill in float32 torch
-want standin && BENCH_REPEATS=1 bench standin /tmp/kimi-rank 2,30,58,"$RANK_LAYERS" 240 \
+want standin && BENCH_REPEATS=1 bench standin /tmp/kimi-rank "$RANK_IDS" 240 \
   EAGLE3_VARLEN_KERNEL=torch
 echo "== total $((SECONDS - t0)) s"
