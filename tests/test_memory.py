@@ -43,15 +43,21 @@ def test_the_plan_is_what_the_worker_allocates():
 
 
 def test_the_headline_job_fits_on_96_gb_cards_and_the_limit_is_named():
-    cfg = compose_cfg("experiment=kimi_k25_chat")
-    assert cfg.engine.token_budget == 32768 and cfg.model.tensor_parallel_size == 8
+    # the preset's default layout is pp8 (every card is its stage's capturing rank); the
+    # tightest case is tp8's, where rank 0 captures all four layers beside 1/8 of the model
     ids = [2, 30, 58, 61]
+    pp8 = compose_cfg("experiment=kimi_k25_chat")
+    assert (pp8.model.tensor_parallel_size, pp8.model.pipeline_parallel_size) == (1, 8)
+    assert check_capture_memory(pp8, KIMI, ids, 0, cards=cards(8)).rows == 33792
+    cfg = compose_cfg("experiment=kimi_k25_chat", "layout=tp8")
+    assert cfg.engine.token_budget == 32768 and cfg.model.tensor_parallel_size == 8
     plan = check_capture_memory(cfg, KIMI, ids, 0, cards=cards(8))
     assert plan is not None and plan.rows == 33792
     fp8 = check_capture_memory(cfg, KIMI, ids, 1, cards=cards(8))
     assert fp8.peak_bytes > plan.peak_bytes
     # vLLM asked for 95% of the card: 4.8 GB left, 1 GiB of it CUDA context
-    tight = compose_cfg("experiment=kimi_k25_chat", "model.gpu_memory_utilization=0.95")
+    tight = compose_cfg("experiment=kimi_k25_chat", "layout=tp8",
+                        "model.gpu_memory_utilization=0.95")
     with pytest.raises(ValueError) as e:
         check_capture_memory(tight, KIMI, ids, 0, cards=cards(8))
     msg = str(e.value)
@@ -60,12 +66,12 @@ def test_the_headline_job_fits_on_96_gb_cards_and_the_limit_is_named():
     # each suggested fix fits
     util = float(msg.split("lower model.gpu_memory_utilization to ")[1].split()[0])
     budget = int(msg.split("lower engine.token_budget to ")[1])
-    assert check_capture_memory(compose_cfg("experiment=kimi_k25_chat",
+    assert check_capture_memory(compose_cfg("experiment=kimi_k25_chat", "layout=tp8",
                                             f"model.gpu_memory_utilization={util}"),
                                 KIMI, ids, 0, cards=cards(8))
     assert budget % 1024 == 0 and check_capture_memory(
-        compose_cfg("experiment=kimi_k25_chat", "model.gpu_memory_utilization=0.95",
-                    f"engine.token_budget={budget}"), KIMI, ids, 0, cards=cards(8))
+        compose_cfg("experiment=kimi_k25_chat", "layout=tp8",
+                    "model.gpu_memory_utilization=0.95", f"engine.token_budget={budget}"), KIMI, ids, 0, cards=cards(8))
 
 
 def test_only_rank_0_of_each_stage_captures():
