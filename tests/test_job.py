@@ -225,6 +225,43 @@ def test_preflight_errors_name_the_key(case, tmp_path, offline):
     assert not (out / "run.json").exists()
 
 
+def test_vllm_args_are_checked_against_engine_args_read_from_its_source():
+    """The preflight reads EngineArgs' field names from vLLM's source instead of importing
+    it (10 s); the parse must give exactly the imported dataclass's fields."""
+    import dataclasses
+
+    from vllm.engine.arg_utils import EngineArgs
+
+    from eagle3_extract.engine.vllm import engine_arg_fields
+
+    assert engine_arg_fields() == {f.name for f in dataclasses.fields(EngineArgs)}
+
+
+def test_preflight_of_a_vllm_job_leaves_vllm_to_the_engine_start(tmp_path):
+    """Preflight (no engine start) checks engine.vllm_args without importing vLLM: the
+    import is the engine start's, which runs beside tokenization; a typo still fails."""
+    code = (
+        "import sys\n"
+        "from hydra import compose, initialize_config_dir\n"
+        "from eagle3_extract.config import conf_dir, PreflightError\n"
+        "from eagle3_extract.extract.job import preflight\n"
+        "with initialize_config_dir(config_dir=str(conf_dir()), version_base='1.3'):\n"
+        "    base = ['engine=vllm', 'output.dir=' + sys.argv[1]]\n"
+        "    try:\n"
+        "        preflight(compose('config', overrides=base + ['+engine.vllm_args.max_num_seq=4']),\n"
+        "                  start_engine=False)\n"
+        "    except PreflightError as e:\n"
+        "        assert 'max_num_seqs' in str(e), e\n"
+        "    else:\n"
+        "        raise SystemExit('the typo passed')\n"
+        "    preflight(compose('config', overrides=base), start_engine=False).lock.release()\n"
+        "print(sorted(m for m in sys.modules if m.startswith('vllm')))\n")
+    r = subprocess.run([sys.executable, "-c", code, str(tmp_path / "out")], env=env(),
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "vllm.engine" not in r.stdout.splitlines()[-1], r.stdout[-2000:]
+
+
 @pytest.mark.engine
 def test_nested_vllm_args_reach_vllm_as_plain_values(tmp_path, offline):
     """A nested override (attention_config={backend: ...}) was a DictConfig that vLLM's

@@ -17,6 +17,7 @@ async scheduling (this driver steps the scheduler itself).
 from __future__ import annotations
 
 import difflib
+import functools
 import logging
 import math
 import os
@@ -133,19 +134,15 @@ def check_vllm_args(cfg: Any, fixed: dict[str, Any] = FIXED_ARGS) -> dict[str, A
     Raises ConfigError naming the key: a typo must fail in preflight, not after
     the model config is resolved; a key our config owns must be set there.
     """
-    import dataclasses
-
     from omegaconf import OmegaConf
 
     from eagle3_extract.config import ConfigError
 
-    check_cpu_build()  # before importing vLLM: a build for another CPU may not even load
-    from vllm.engine.arg_utils import EngineArgs
-
+    check_cpu_build()  # a build for another CPU may not even load
     raw = cfg.engine.vllm_args
     args = OmegaConf.to_container(raw, resolve=True) if OmegaConf.is_config(raw) else raw
     args = dict(args or {})
-    fields = {f.name for f in dataclasses.fields(EngineArgs)}
+    fields = engine_arg_fields()
     for key, value in args.items():
         if key in OWN_KEYS:
             raise ConfigError(f"engine.vllm_args.{key}: set {OWN_KEYS[key]} instead")
@@ -158,6 +155,34 @@ def check_vllm_args(cfg: Any, fixed: dict[str, Any] = FIXED_ARGS) -> dict[str, A
             raise ConfigError(f"engine.vllm_args.{key} is not a vLLM 0.16 EngineArgs "
                               f"field{hint}; see `vllm serve --help` for their names")
     return args
+
+
+@functools.cache
+def engine_arg_fields() -> frozenset[str]:
+    """The field names of the installed vLLM's EngineArgs dataclass, read from its source
+    (vllm/engine/arg_utils.py), not imported: the import (torch, vLLM's configs) takes
+    10 s of a preflight that should be seconds, and the engine start, which imports it
+    anyway, runs beside tokenization. A class this parse cannot read raises (tests check
+    the set against dataclasses.fields of the imported class)."""
+    import ast
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.find_spec("vllm")  # a top-level find: nothing is imported
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError("vLLM is not installed; make venv (or pip install vllm==0.16.0)")
+    source = Path(list(spec.submodule_search_locations)[0]) / "engine" / "arg_utils.py"
+    tree = ast.parse(source.read_text(encoding="utf-8"), str(source))
+    found = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "EngineArgs"]
+    if len(found) != 1 or found[0].bases:
+        raise RuntimeError(f"{source}: no plain EngineArgs dataclass; not vLLM 0.16's")
+    names = frozenset(
+        s.target.id for s in found[0].body
+        if isinstance(s, ast.AnnAssign) and isinstance(s.target, ast.Name)
+        and "ClassVar" not in ast.unparse(s.annotation))
+    if not names:
+        raise RuntimeError(f"{source}: EngineArgs has no fields; not vLLM 0.16's")
+    return names
 
 
 # vLLM warnings about what this driver does on purpose (and checks: every row of every
