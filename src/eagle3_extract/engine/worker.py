@@ -22,7 +22,7 @@ import logging
 import torch
 
 from eagle3_extract.quant import FP8, quantize_into
-from eagle3_extract.engine import hostbuf, resolve_layer_ids
+from eagle3_extract.engine import cpu_gemm, hostbuf, resolve_layer_ids
 from eagle3_extract.engine.layers import find_decoder_layers, residual_stream
 
 log = logging.getLogger(__name__)
@@ -32,6 +32,17 @@ QUALNAME = f"{__name__}.CaptureExtension"
 
 class CaptureExtension:
     """Mixed into vLLM's Worker; `self.model_runner` is the worker's runner."""
+
+    def cpu_gemm_upcast(self) -> int:
+        """Float32 products for bf16 linears where the CPU build lacks oneDNN (cpu_gemm.py)."""
+        runner = self.model_runner  # type: ignore[attr-defined]
+        if not cpu_gemm.needs_upcast(runner.device):
+            return 0
+        if not getattr(self, "_cpu_gemm_upcast", 0):
+            self._cpu_gemm_upcast = cpu_gemm.upcast_linears(runner.model)
+            log.debug("CPU build without oneDNN: %d bf16 linears in float32",
+                      self._cpu_gemm_upcast)
+        return self._cpu_gemm_upcast
 
     def capture_setup(self, layer_ids: list[int], max_rows: int,
                       scale_cols: int = 0) -> dict | None:
@@ -45,6 +56,7 @@ class CaptureExtension:
         from vllm.model_executor.models.utils import PPMissingLayer
 
         runner = self.model_runner  # type: ignore[attr-defined]
+        self.cpu_gemm_upcast()
         path, layers = find_decoder_layers(runner.model)
         self.capture_layer_ids = resolve_layer_ids(list(layer_ids), len(layers))
         for handle in getattr(self, "_capture_hooks", []):

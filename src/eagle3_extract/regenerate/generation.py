@@ -315,6 +315,7 @@ def build_llm(cfg: Any, info: Any) -> Any:
     """vLLM's own `LLM`, with our model and engine keys and the user's vllm_args."""
     from vllm import LLM
 
+    from eagle3_extract.engine.worker import QUALNAME
     from eagle3_extract.engine.vllm import check_vllm_args, model_args, quiet_known_warnings, size_cpu_kv_cache
 
     quiet_known_warnings()
@@ -323,7 +324,11 @@ def build_llm(cfg: Any, info: Any) -> Any:
     # the CPU build's KV cache as before this default changed (8,192 tokens a step assumed):
     # vLLM's scheduler admits what fits, and a laptop keeps its memory
     size_cpu_kv_cache(info, args.get("max_num_batched_tokens", 8192) + 2 * args["max_model_len"])
-    return LLM(**args)
+    ours = args.setdefault("worker_extension_cls", QUALNAME) == QUALNAME
+    llm = LLM(**args)
+    if ours:  # bf16 linears in float32 where the CPU build lacks oneDNN (engine/cpu_gemm.py)
+        llm.collective_rpc("cpu_gemm_upcast")
+    return llm
 
 
 def engine_limits(llm: Any) -> dict[str, Any]:
