@@ -30,6 +30,7 @@ ARGS ?=
 DIR ?=
 BENCH_ARGS ?=
 PYTEST_ARGS ?=
+IMAGE_TESTS ?=
 
 # uv writes each package's bytecode at install time (as the image does): a host with
 # PYTHONDONTWRITEBYTECODE=1 (CI's) otherwise compiles torch, vLLM and transformers from
@@ -151,11 +152,12 @@ build: ## docker build the GPU image (IMAGE=eagle3-extract:latest, BUILD_ARGS=..
 # registry is reachable; the pinned CUDA base stays the Dockerfile's default), both targets
 # built, smoke-checked, the test suite run inside, a broken patch proven to fail the build.
 # On a host with a registry: docker/image-test.sh (BASE_IMAGE unset: the CUDA base).
+# IMAGE_TESTS="tests/test_a.py ...": only those files' CPU tests inside (default: the fast lane).
 image-test: ## build the image on a stand-in base, test inside it (root; CI runs it)
 	@eval "$$(docker/dockerd.sh up)"; trap 'docker/dockerd.sh down' EXIT; \
 	.ci/standin-base.sh eagle3-standin:noble \
 	&& EAGLE3_NO_BRIDGE=1 BASE_IMAGE=eagle3-standin:noble COMPOSE_EXTRA=.ci/compose.standin.yml \
-		docker/image-test.sh
+		IMAGE_TESTS="$(IMAGE_TESTS)" docker/image-test.sh
 
 # --- jobs ---------------------------------------------------------------------------------
 extract: ## run an extraction: DATASET=name|file MODEL=name ARGS="hydra overrides"

@@ -23,7 +23,8 @@ subcommands:
                            speculators train ARGS, e.g. --data-path an eagle3-export dir
   drafter [OVERRIDES]      eagle3-train: a drafter vLLM 0.16 serves, from an extraction
   acceptance [OVERRIDES]   eagle3-acceptance: how many of a drafter's tokens are accepted
-  test [PYTEST ARGS]       run the test suite shipped in the image (python -m pytest)
+  test [PYTEST ARGS]       run the test suite shipped in the image (python -m pytest;
+                           tests/FILE.py picks files of it)
   shell [BASH ARGS]        bash
   -h, --help               this text
 
@@ -99,7 +100,14 @@ case "$cmd" in
     test)
         shift
         root=${EAGLE3_HOME:-$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)}
-        run python -m pytest -p no:cacheprovider "$root/tests" "$@"
+        # tests/... names the shipped suite's files (resolved against it, wherever the
+        # container's working dir is); without one, the whole suite.
+        picked=() rest=()
+        for a in "$@"; do
+            if [[ $a == tests || $a == tests/* ]]; then picked+=("$root/$a"); else rest+=("$a"); fi
+        done
+        [[ ${#picked[@]} -eq 0 ]] && picked=("$root/tests")
+        run python -m pytest -p no:cacheprovider "${picked[@]}" "${rest[@]}"
         ;;
     train)
         shift

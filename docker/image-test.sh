@@ -3,6 +3,8 @@
 # inside it (compose profile `test`), and a build with a broken patch that must fail at the
 # patch step naming the patch and hunk. `make image-test` runs it (and CI, through it).
 #   IMAGE=eagle3-extract BASE_IMAGE=... COMPOSE_EXTRA=override.yml docker/image-test.sh
+# IMAGE_TESTS="tests/test_a.py ...": run those files' CPU tests inside instead of the whole
+# fast lane (CI: the host's fast lane runs them all from the same locks).
 # EAGLE3_NO_BRIDGE=1: fail if any bridge network exists afterwards (hosts that forbid them).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -51,8 +53,13 @@ step "the test suite inside the image (compose profile test)"
 compose=(-f docker-compose.yml)
 [[ -n ${COMPOSE_EXTRA:-} ]] && compose+=(-f "$COMPOSE_EXTRA")
 outputs=$(mktemp -d) && chmod 1777 "$outputs"
+selection=()
+if [[ -n ${IMAGE_TESTS:-} ]]; then
+    read -r -a files <<< "$IMAGE_TESTS"
+    selection=(test -q -m "not engine and not trainer" "${files[@]}")
+fi
 EAGLE3_TEST_IMAGE="$IMAGE:test" EAGLE3_HOST_OUTPUTS=$outputs \
-    "$DOCKER" compose "${compose[@]}" --profile test run --rm test
+    "$DOCKER" compose "${compose[@]}" --profile test run --rm test "${selection[@]}"
 
 bridges=$("$DOCKER" network ls --filter driver=bridge -q)
 if [[ -n $bridges && -n ${EAGLE3_NO_BRIDGE:-} ]]; then

@@ -331,3 +331,39 @@ def test_the_control_last_layer_is_hfs_post_norm_state(trained, tmp_path):
             hf = model(t["input_ids"][None], output_hidden_states=True).hidden_states[-1][0]
         err = (t["hidden_states"][:, -1].float() - hf.float()).norm(dim=-1) / hf.float().norm(dim=-1)
         assert err.max() < 0.05, err.max()
+
+
+MUON_CHECK = r"""
+import sys, torch, torch.optim._muon as muon
+sys.path.insert(0, sys.argv[1])
+import trainer_launch as tl
+torch.manual_seed(0)
+fast_bf16 = torch.ops.mkldnn._is_mkldnn_bf16_supported()
+for shape in ((96, 288), (288, 96)):
+    g = torch.randn(*shape)
+    ref = muon._zeropower_via_newtonschulz(g, (muon.DEFAULT_A, muon.DEFAULT_B, muon.DEFAULT_C), 5, 1e-7)
+    ours = tl.newton_schulz_float32(g, (muon.DEFAULT_A, muon.DEFAULT_B, muon.DEFAULT_C), 5, 1e-7)
+    assert ours.dtype == ref.dtype == torch.bfloat16 and ours.shape == ref.shape
+    cos = torch.nn.functional.cosine_similarity(ours.float().flatten(), ref.float().flatten(), 0)
+    assert cos > 0.995, (shape, float(cos))
+swapped = tl._cpu_muon_float32()
+assert swapped == (not fast_bf16), (swapped, fast_bf16)
+calls = []
+inner = muon._zeropower_via_newtonschulz
+muon._zeropower_via_newtonschulz = lambda *a: calls.append(1) or inner(*a)
+w = torch.nn.Parameter(torch.randn(96, 288))
+opt = torch.optim.Muon([w], lr=0.01)
+w.grad = torch.randn(96, 288)
+opt.step()
+assert calls == [1] and torch.isfinite(w).all()
+print("swapped" if swapped else "kept", "bf16-native" if fast_bf16 else "no-bf16")
+"""
+
+
+def test_muon_runs_newton_schulz_in_float32_where_the_cpu_lacks_bf16_gemms():
+    """speculators' Muon on an AVX2 CPU: the float32 iteration agrees with torch's bf16 one
+    and is what Muon.step calls exactly where torch has no native bf16 GEMM."""
+    r = subprocess.run([str(TRAIN_PY), "-c", MUON_CHECK, str(ROOT / "src/eagle3_extract/drafter")],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.split()[0] == ("kept" if "bf16-native" in r.stdout else "swapped")

@@ -164,6 +164,12 @@ def test_test_subcommand_runs_the_shipped_suite(entry, tmp_path):
     # without EAGLE3_HOME: the tests next to the script
     _, _, _, calls = entry("test")
     assert calls[0]["argv"][4] == f"{ROOT}/tests"
+    # files of the suite named as the repository names them: those only, from the suite
+    _, _, err, calls = entry("test", "-q", "tests/test_job.py", "tests/test_a.py::test_b",
+                             EAGLE3_HOME=str(tmp_path))
+    assert calls[0]["argv"] == ["-m", "pytest", "-p", "no:cacheprovider",
+                                f"{tmp_path}/tests/test_job.py",
+                                f"{tmp_path}/tests/test_a.py::test_b", "-q"], err
 
 
 @pytest.mark.parametrize("flag", ["-h", "--help", "help"])

@@ -37,7 +37,8 @@ def test_the_e2e_step_runs_here_through_the_driver(tmp_path, monkeypatch):
     monkeypatch.setenv("GPU_TRAINER_PYTHON", str(TRAIN_PYTHON))
     monkeypatch.setenv("PATH", f"{Path(sys.executable).parent}:{os.environ['PATH']}")
     for key, value in {"ENGINE": "", "REGEN_VLLM_ARGS": "", "ACCEPTANCE_ENGINE": "hf",
-                       "SAMPLES": "12", "CURVE": "", "HELDOUT": "2", "REGEN_SAMPLES": "4"}.items():
+                       "SAMPLES": "12", "CURVE": "", "HELDOUT": "2", "REGEN_SAMPLES": "4",
+                       "TRAIN_ARGS": "train.epochs=1"}.items():
         monkeypatch.setenv(key, value)
     out = tmp_path / "out"
     out.mkdir()

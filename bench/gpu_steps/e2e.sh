@@ -9,7 +9,8 @@
 # The driver sets PYTHONPATH (bench/gpu_sites.py PATHS["cli"]), EAGLE3_TRAIN_PYTHON, GPU_STAGE,
 # RESULTS, BUDGET_S, GPU_HOME and MODELS. ENGINE (the engine overrides, default the kit's:
 # Triton attention, native ops, eager: it cannot take CUDA graphs) and ACCEPTANCE_ENGINE
-# (vllm) let the same step run on the CPU build as its rehearsal (docs/gpu.md).
+# (vllm) let the same step run on the CPU build as its rehearsal (docs/gpu.md); TRAIN_ARGS
+# (space-separated train overrides, e.g. train.epochs=1) shortens its training there.
 set -uo pipefail
 shopt -s nullglob
 t0=$SECONDS
@@ -48,6 +49,8 @@ prompts=$GPU_STAGE/prompts-large.jsonl
 fp8=(); [[ ${FP8:-0} == 1 ]] && fp8=(--fp8)
 curve=(); [[ -n ${CURVE-480,2000,5000} ]] && curve=(--curve "${CURVE-480,2000,5000}")
 engine_args=(); for a in "${engine[@]}"; do engine_args+=(--engine-arg "$a"); done
+train_args=(); read -r -a train_overrides <<< "${TRAIN_ARGS:-}"
+for a in "${train_overrides[@]}"; do train_args+=(--train-arg "$a"); done
 rc=0
 for m in "${models[@]}"; do
   model=$(model_dir "$m") || exit 3
@@ -60,7 +63,7 @@ for m in "${models[@]}"; do
     --prompts "$prompts" --samples "${SAMPLES:-20000}" "${curve[@]}" "${fp8[@]}" \
     --heldout "${HELDOUT:-160}" --max-tokens 128 --no-control --train "${TRAIN:-gpu}" \
     --model-arg "model.path=$model" --model-arg model.gpu_memory_utilization=0.5 \
-    "${engine_args[@]}" --acceptance-arg "engine=${ACCEPTANCE_ENGINE:-vllm}" \
+    "${engine_args[@]}" "${train_args[@]}" --acceptance-arg "engine=${ACCEPTANCE_ENGINE:-vllm}" \
     >> "$res/e2e.log" 2>&1
   rc=$?
   stamp "chain($m,rc=$rc)" $((SECONDS - t))
