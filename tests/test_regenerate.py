@@ -141,12 +141,20 @@ def test_a_wrong_reasoning_parser_fails_in_preflight(tmp_path):
 engine = pytest.mark.engine
 
 
+# One sequence a step and no prefix cache: what regeneration asks for is checked against
+# LLM.generate token for token, and a CPU build without oneDNN takes float32 GEMMs
+# (engine/cpu_gemm.py) whose sums depend on the batch's rows, so two batchings of the same
+# requests can flip a near-tie (SmolLM2's "2 + 2" answer did at its 35th token).
+BATCH_INVARIANT = ("engine.max_num_seqs=1", "+engine.vllm_args.enable_prefix_caching=false")
+
+
 def _llm(path: str, max_model_len: int = 1024):
     from eagle3_extract.models.config import inspect_model
     from eagle3_extract.regenerate.generation import build_llm
 
     cfg = regen_cfg(f"model.path={path}", f"model.max_model_len={max_model_len}",
-                    "engine.distributed_executor_backend=uni", "model.gpu_memory_utilization=0.5")
+                    "engine.distributed_executor_backend=uni", "model.gpu_memory_utilization=0.5",
+                    *BATCH_INVARIANT)
     return build_llm(cfg, inspect_model(cfg.model)), cfg
 
 
@@ -442,7 +450,7 @@ def test_data_parallel_replicas_write_what_one_engine_writes(tmp_path):
     finish assembles. Same seeds per sample and turn: the same conversations as DP=1."""
     env = {k: v for k, v in os.environ.items() if k != "VLLM_CPU_OMP_THREADS_BIND"}
     common = ["dataset.max_samples=6", "generate.max_tokens=12", "generate.chunk_samples=2",
-              "engine.device=cpu"]
+              "engine.device=cpu", *BATCH_INVARIANT]
     outs = {}
     for dp in (1, 2):
         out = tmp_path / f"dp{dp}"
