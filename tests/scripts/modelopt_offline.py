@@ -58,6 +58,18 @@ with torch.no_grad():
                         "aux_width": int(item["aux_hidden_states"].shape[-1])})
 
 batch = collate([ds[0]])
+if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+    # A CPU without native bf16 GEMMs (AVX2) runs bf16 backward through torch's scalar
+    # fallback: 90 s a step here, 900 s for the four under CI's load. float32 is the
+    # same training step (the test checks that it reads and trains, not its dtype).
+    model.float()
+    model._base_llm_config.dtype = torch.float32  # its TTT attention mask's dtype
+    def _float(v):
+        if isinstance(v, dict):
+            return {k: _float(x) for k, x in v.items()}
+        return v.float() if torch.is_tensor(v) and v.is_floating_point() else v
+
+    batch = _float(batch)
 model.train()
 opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
 losses = []

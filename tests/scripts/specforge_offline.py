@@ -71,8 +71,16 @@ draft_config = LlamaConfig(
     max_position_embeddings=MAX_LEN, rms_norm_eps=text["rms_norm_eps"],
     rope_theta=text.get("rope_theta", 10000.0), hidden_act="silu", tie_word_embeddings=False)
 torch.manual_seed(0)
+# A CPU without native bf16 GEMMs (AVX2) runs bf16 backward through torch's scalar
+# fallback (minutes a step under CI's load): there the same step in float32.
+TRAIN_DTYPE = torch.bfloat16 if torch.ops.mkldnn._is_mkldnn_bf16_supported() else torch.float32
+if TRAIN_DTYPE == torch.float32:
+    head.float()
+    for b in batches:
+        b.tensors.update({k: v.float() for k, v in b.tensors.items()
+                          if torch.is_tensor(v) and v.is_floating_point()})
 draft = AutoDraftModel.from_config(draft_config, attention_backend="sdpa",
-                                   torch_dtype=torch.bfloat16)
+                                   torch_dtype=TRAIN_DTYPE)
 draft.load_embedding(verifier, embedding_key="model.embed_tokens.weight")
 draft.freeze_embedding()
 eagle = sf_model.OnlineEagle3Model(draft, length=3, attention_backend="sdpa")
