@@ -60,11 +60,12 @@ with torch.no_grad():
 batch = collate([ds[0]])
 if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
     # A CPU without native bf16 GEMMs (AVX2) runs bf16 backward through torch's scalar
-    # fallback: 90 s a step here, 900 s for the four under CI's load. float32 is the
-    # same training step (the test checks that it reads and trains, not its dtype).
+    # fallback: 90 s a step here, past the test's 900 s for four under CI's load. float32
+    # is the same training step (the test checks that it reads and trains, not its dtype).
     model.float()
     model._base_llm_config.dtype = torch.float32  # its TTT attention mask's dtype
-    def _float(v):
+
+    def _float(v):  # the collator's batch: tensors, and base_model_outputs, a dict of them
         if isinstance(v, dict):
             return {k: _float(x) for k, x in v.items()}
         return v.float() if torch.is_tensor(v) and v.is_floating_point() else v
