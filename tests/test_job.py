@@ -108,8 +108,14 @@ def test_hf_end_to_end_files_manifest_token_freq(hf_run):
     c = m["counts"]
     assert c["samples"] == c["written"] == c["written_this_run"] == N and c["resumed"] == 0
     assert set(c["skipped"]) >= {"malformed_json", "no_assistant_turn", "overlong"}
+    t = m["timings"]
     for key in ("preflight_s", "engine_start_s", "extract_s", "total_s", "tokens_per_s"):
-        assert m["timings"][key] > 0
+        assert t[key] > 0
+    # the HF engine loaded beside tokenization: it began inside preflight, and the job
+    # waited at most for what of its start preflight did not cover
+    assert 0 < t["engine_start_at_s"] < t["preflight_s"]
+    assert t["engine_wait_s"] <= max(
+        0.0, t["engine_start_at_s"] + t["engine_start_s"] - t["preflight_s"]) + 0.05
     run = json.loads((out / "run.json").read_text())
     assert run["run_id"] == m["run_id"]
 
