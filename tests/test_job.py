@@ -243,6 +243,23 @@ def test_vllm_args_are_checked_against_engine_args_read_from_its_source():
     assert engine_arg_fields() == {f.name for f in dataclasses.fields(EngineArgs)}
 
 
+def test_a_vllm_job_without_vllm_installed_is_one_line_exit_2(tmp_path):
+    """engine=vllm where vLLM cannot be found (an environment made without it): preflight's
+    EngineArgs check says so in one line, not a traceback, and nothing is written."""
+    code = ("import sys\n"
+            "sys.modules['vllm'] = None  # what find_spec reports for a missing package\n"
+            "sys.argv = ['eagle3-extract', 'engine=vllm', 'output.dir=' + sys.argv[1]]\n"
+            "from eagle3_extract.cli import extract_main\n"
+            "extract_main()\n")
+    r = subprocess.run([sys.executable, "-c", code, str(tmp_path / "out")], env=env(),
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2, (r.stdout[-2000:], r.stderr[-2000:])
+    err = r.stderr.strip().splitlines()
+    assert err[-1].startswith("eagle3-extract: error: engine=vllm: vLLM is not installed"), err
+    assert "Traceback" not in r.stderr
+    assert not (tmp_path / "out" / "run.json").exists()
+
+
 def test_preflight_of_a_vllm_job_leaves_vllm_to_the_engine_start(tmp_path):
     """Preflight (no engine start) checks engine.vllm_args without importing vLLM: the
     import is the engine start's, which runs beside tokenization; a typo still fails."""

@@ -163,25 +163,31 @@ def engine_arg_fields() -> frozenset[str]:
     (vllm/engine/arg_utils.py), not imported: the import (torch, vLLM's configs) takes
     10 s of a preflight that should be seconds, and the engine start, which imports it
     anyway, runs beside tokenization. A class this parse cannot read raises (tests check
-    the set against dataclasses.fields of the imported class)."""
+    the set against dataclasses.fields of the imported class); so does a missing vLLM,
+    as one line (PreflightError), not a traceback."""
     import ast
     import importlib.util
     from pathlib import Path
 
+    from eagle3_extract.errors import PreflightError
+
     spec = importlib.util.find_spec("vllm")  # a top-level find: nothing is imported
     if spec is None or not spec.submodule_search_locations:
-        raise RuntimeError("vLLM is not installed; make venv (or pip install vllm==0.16.0)")
+        raise PreflightError("engine=vllm: vLLM is not installed in this environment; "
+                             "`make venv` (or use the image), or run with engine=hf")
     source = Path(list(spec.submodule_search_locations)[0]) / "engine" / "arg_utils.py"
     tree = ast.parse(source.read_text(encoding="utf-8"), str(source))
     found = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "EngineArgs"]
     if len(found) != 1 or found[0].bases:
-        raise RuntimeError(f"{source}: no plain EngineArgs dataclass; not vLLM 0.16's")
+        raise PreflightError(f"{source}: no plain EngineArgs dataclass: not vLLM 0.16's; "
+                             "reinstall vllm==0.16.0 (`make venv`)")
     names = frozenset(
         s.target.id for s in found[0].body
         if isinstance(s, ast.AnnAssign) and isinstance(s.target, ast.Name)
         and "ClassVar" not in ast.unparse(s.annotation))
     if not names:
-        raise RuntimeError(f"{source}: EngineArgs has no fields; not vLLM 0.16's")
+        raise PreflightError(f"{source}: EngineArgs has no fields: not vLLM 0.16's; "
+                             "reinstall vllm==0.16.0 (`make venv`)")
     return names
 
 
