@@ -495,7 +495,7 @@ def test_scripts_are_executable_and_strict():
         order = [text.index(s) for s in ("make image-test IMAGE_TESTS=", '0 make venv-train\n',
                                          '" make venv\n', 'collect "environment .venv-train"',
                                          '" make venv-peer\n', '" make lint\n',
-                                         '" 5 make test\n', "make e2e MODEL=", '10 e2e\n',
+                                         '" 5 make test PYTEST_ARGS=', "make e2e MODEL=", '10 e2e\n',
                                          "make pipeline ", '5 pipelines\n',
                                          'make test-engine TESTS=', 'make test-engine PYTEST',
                                          'collect "engine lane', 'collect "pipelines',
@@ -507,4 +507,4 @@ def test_scripts_are_executable_and_strict():
         picked = re.findall(r"tests/test_\w+\.py", text[: text.index("make image-test IMAGE")])
         assert len(picked) >= 5 and all((ROOT / f).is_file() for f in picked), picked
         # vLLM's step watchdog is raised before any engine stream starts.
-        assert text.index("VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS=") < text.index('" 5 make test\n')
+        assert text.index("VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS=") < text.index('" 5 make test PYTEST_ARGS=')
