@@ -196,7 +196,12 @@ def _start_times() -> dict[int, tuple[int, int, str]]:
     return out
 
 
-def follow_tree(proc, until, timeout: float = 180) -> dict[int, tuple[int, str]]:
+# How long an engine may take to come up before a test that waits for it gives up: under
+# CI's load (five streams on two cores) a vLLM CPU engine's start took over 180 s once.
+ENGINE_UP_S = 480
+
+
+def follow_tree(proc, until, timeout: float = ENGINE_UP_S) -> dict[int, tuple[int, str]]:
     """Follow `proc`'s process tree until `until(names)` holds for the names seen in it
     or `proc` ends; pid -> (kernel start time, name) of everything seen."""
     import time
@@ -234,7 +239,7 @@ def still_alive(seen: dict[int, tuple[int, str]], grace: float = 0.0) -> list[st
         time.sleep(0.3)
 
 
-def sigkill_main_leaves_nothing(proc, ready, timeout: float = 180, grace: float = 15
+def sigkill_main_leaves_nothing(proc, ready, timeout: float = ENGINE_UP_S, grace: float = 15
                                 ) -> list[str]:
     """Follow `proc`'s process tree until `ready(names)` holds for the names seen in it,
     SIGKILL only `proc` (not its group), and return what of the tree is still alive
