@@ -243,6 +243,12 @@ def test_vllm_args_are_checked_against_engine_args_read_from_its_source():
     assert engine_arg_fields() == {f.name for f in dataclasses.fields(EngineArgs)}
 
 
+def python_c(code: str, *args) -> subprocess.CompletedProcess:
+    """`code` in a fresh interpreter of this environment, its argv[1:] the args."""
+    return subprocess.run([sys.executable, "-c", code, *map(str, args)], env=env(),
+                          capture_output=True, text=True, timeout=300)
+
+
 def test_a_vllm_job_without_vllm_installed_is_one_line_exit_2(tmp_path):
     """engine=vllm where vLLM cannot be found (an environment made without it): preflight's
     EngineArgs check says so in one line, not a traceback, and nothing is written."""
@@ -251,8 +257,7 @@ def test_a_vllm_job_without_vllm_installed_is_one_line_exit_2(tmp_path):
             "sys.argv = ['eagle3-extract', 'engine=vllm', 'output.dir=' + sys.argv[1]]\n"
             "from eagle3_extract.cli import extract_main\n"
             "extract_main()\n")
-    r = subprocess.run([sys.executable, "-c", code, str(tmp_path / "out")], env=env(),
-                       capture_output=True, text=True, timeout=300)
+    r = python_c(code, tmp_path / "out")
     assert r.returncode == 2, (r.stdout[-2000:], r.stderr[-2000:])
     err = r.stderr.strip().splitlines()
     assert err[-1].startswith("eagle3-extract: error: engine=vllm: vLLM is not installed"), err
@@ -279,8 +284,7 @@ def test_preflight_of_a_vllm_job_leaves_vllm_to_the_engine_start(tmp_path):
         "        raise SystemExit('the typo passed')\n"
         "    preflight(compose('config', overrides=base), start_engine=False).lock.release()\n"
         "print(sorted(m for m in sys.modules if m.startswith('vllm')))\n")
-    r = subprocess.run([sys.executable, "-c", code, str(tmp_path / "out")], env=env(),
-                       capture_output=True, text=True, timeout=300)
+    r = python_c(code, tmp_path / "out")
     assert r.returncode == 0, r.stderr[-2000:]
     assert "vllm.engine" not in r.stdout.splitlines()[-1], r.stdout[-2000:]
 
