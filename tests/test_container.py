@@ -490,15 +490,15 @@ def test_scripts_are_executable_and_strict():
     if in_checkout:
         text = (ROOT / ".ci" / "run").read_text()
         # The image and the trainer's env start first (downloads); the fast lane and the
-        # pipelines as soon as .venv exists, the drafter check as soon as .venv-train
-        # (the peer in it) does; every background stream is waited for, its failure
+        # pipelines as soon as .venv exists; the peer goes over both envs; the drafter check
+        # runs beside the engine lane; every background stream is waited for, its failure
         # failing CI.
         order = [text.index(s) for s in ("make image-test IMAGE_TESTS=", '0 make venv-train\n',
                                          '" make venv\n', "OMP_NUM_THREADS=1",
                                          '" 5 make test PYTEST_ARGS=', "make pipeline ",
                                          '5 pipelines\n', 'collect "environment .venv-train"',
-                                         '" make venv-peer\n', "make e2e MODEL=", '5 e2e\n',
-                                         '" make lint\n',
+                                         '" make venv-peer\n', '" make lint\n',
+                                         "make e2e MODEL=", '10 e2e\n',
                                          'make test-engine TESTS=', 'make test-engine PYTEST',
                                          'collect "engine lane', 'collect "pipelines',
                                          'collect "fast lane', 'collect "drafter check',
