@@ -201,18 +201,19 @@ verify: ## recompute samples of an extraction with the reference engine: DIR=...
 # Two lanes: `make test` starts no vLLM engine and needs only .venv (minutes; run it on
 # every change); `make test-engine` runs the tests marked `engine` (they start the real
 # vLLM 0.16 CPU engine) or `trainer` (they run in .venv-train: the trainer's and the peer's
-# env). CI runs both; `make test-all` is the two in one run.
+# env), less those marked `full`. CI runs both; `make test-all` runs every test, `full`
+# included (what CI's 30 minutes leave out: the README names them), in one run.
 # TESTS: which test files or folders (default all); MARK: the engine lane's selection
-# (default "engine or trainer"); PYTEST_ARGS: anything else for pytest.
+# (default "(engine or trainer) and not full"); PYTEST_ARGS: anything else for pytest.
 TESTS ?= tests
-MARK ?= engine or trainer
+MARK ?= (engine or trainer) and not full
 test: venv ## the fast lane: every test that starts no engine (TESTS=..., PYTEST_ARGS=...)
-	$(VPY) -m pytest -q $(TESTS) -m "not engine and not trainer" $(PYTEST_ARGS)
+	$(VPY) -m pytest -q $(TESTS) -m "not engine and not trainer and not full" $(PYTEST_ARGS)
 
 test-engine: venv venv-train venv-peer venv-specforge venv-modelopt ## the engine lane: vLLM CPU engine and the trainers' envs
 	$(VPY) -m pytest -q $(TESTS) -m "$(MARK)" $(PYTEST_ARGS)
 
-test-all: venv venv-train venv-peer venv-specforge venv-modelopt ## both lanes in one pytest run
+test-all: venv venv-train venv-peer venv-specforge venv-modelopt ## every test, `full` included (what CI leaves out), in one run
 	$(VPY) -m pytest -q $(TESTS) $(PYTEST_ARGS)
 
 lint: $(VENV)/.installed ## hadolint, compose schema, shellcheck, ruff

@@ -78,6 +78,29 @@ def own_tokenized_cache(tmp_path_factory, monkeypatch):
     monkeypatch.setenv("EAGLE3_TOKENIZED_CACHE", str(tmp_path_factory.mktemp("tokenized")))
 
 
+_MODULE_MEMORY: list[tuple[str, int, int]] = []  # module, peak RSS MiB after it, its growth
+
+
+@pytest.fixture(scope="module", autouse=True)
+def note_memory(request):
+    """The pytest process's peak resident memory after each module (CI's memory budget:
+    the run's table names the stage, this names the module that grew it)."""
+    import resource
+
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024
+    yield
+    after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024
+    _MODULE_MEMORY.append((request.module.__name__, after, after - before))
+
+
+def pytest_terminal_summary(terminalreporter):
+    grew = sorted((m for m in _MODULE_MEMORY if m[2] >= 256), key=lambda m: -m[2])
+    if grew:
+        terminalreporter.write_sep("=", "modules that raised pytest's peak RSS by >= 256 MiB")
+        for name, after, growth in grew:
+            terminalreporter.write_line(f"{growth:>7} MiB  (peak {after} MiB)  {name}")
+
+
 @pytest.fixture(scope="module", autouse=True)
 def no_shm_left_behind(request):
     """No /dev/shm entry outlives the tests of a module, killed jobs' included (their

@@ -11,6 +11,10 @@
 # Triton attention, native ops, eager: it cannot take CUDA graphs) and ACCEPTANCE_ENGINE
 # (vllm) let the same step run on the CPU build as its rehearsal (docs/gpu.md); TRAIN_ARGS
 # (space-separated train overrides, e.g. train.epochs=1) shortens its training there.
+# CI's drafter check is this step on the CPU (tests/test_gpu_rehearsal.py): MAX_TOKENS (128),
+# CONTROL=1 (the off-by-one control chain), REGENERATED=DIR with REGENERATED_SHA256 (train on
+# a committed, hash-pinned regeneration instead of regenerating the prompts) and E2E_ARGS
+# (more of dev/e2e.py's options, space-separated: thresholds, --jobs).
 set -uo pipefail
 shopt -s nullglob
 t0=$SECONDS
@@ -44,9 +48,16 @@ if [[ ! -f $RESULTS/regen.json ]] && [[ ${REGEN_SAMPLES:-2048} != 0 ]]; then
   echo "== regen bench rc=$? in $((SECONDS - t)) s"; grep -v '^(Worker' "$RESULTS/regen.log" | tail -6
   stamp regen-bench $((SECONDS - t))
 fi
-prompts=$GPU_STAGE/prompts-large.jsonl
-[[ -f $prompts ]] || python3 tools/make_prompts.py --large "$prompts" > /dev/null || exit 3
+if [[ -n ${REGENERATED:-} ]]; then
+  answers=(--regenerated "$REGENERATED" --regenerated-sha256 "${REGENERATED_SHA256:?REGENERATED needs its sha256}")
+else
+  prompts=$GPU_STAGE/prompts-large.jsonl
+  [[ -f $prompts ]] || python3 tools/make_prompts.py --large "$prompts" > /dev/null || exit 3
+  answers=(--prompts "$prompts")
+fi
 fp8=(); [[ ${FP8:-0} == 1 ]] && fp8=(--fp8)
+control=(--no-control); [[ ${CONTROL:-0} == 1 ]] && control=()
+read -r -a e2e_extra <<< "${E2E_ARGS:-}"
 curve=(); [[ -n ${CURVE-480,2000,5000} ]] && curve=(--curve "${CURVE-480,2000,5000}")
 engine_args=(); for a in "${engine[@]}"; do engine_args+=(--engine-arg "$a"); done
 train_args=(); read -r -a train_overrides <<< "${TRAIN_ARGS:-}"
@@ -60,8 +71,9 @@ for m in "${models[@]}"; do
   t=$SECONDS
   timeout --signal=TERM --kill-after=20 $(($(left) - 30)) \
     python3 -m eagle3_extract.dev.e2e --model "$m" --out "$out" \
-    --prompts "$prompts" --samples "${SAMPLES:-20000}" "${curve[@]}" "${fp8[@]}" \
-    --heldout "${HELDOUT:-160}" --max-tokens 128 --no-control --train "${TRAIN:-gpu}" \
+    "${answers[@]}" --samples "${SAMPLES:-20000}" "${curve[@]}" "${fp8[@]}" \
+    --heldout "${HELDOUT:-160}" --max-tokens "${MAX_TOKENS:-128}" "${control[@]}" \
+    --train "${TRAIN:-gpu}" "${e2e_extra[@]}" \
     --model-arg "model.path=$model" --model-arg model.gpu_memory_utilization=0.5 \
     "${engine_args[@]}" "${train_args[@]}" --acceptance-arg "engine=${ACCEPTANCE_ENGINE:-vllm}" \
     >> "$res/e2e.log" 2>&1

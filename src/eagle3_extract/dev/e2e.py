@@ -135,6 +135,40 @@ def post_norm_last_layer(root: Path) -> int:
     return done
 
 
+def use_regenerated(src: Path, sha256: str, samples: int, dest: Path) -> None:
+    """An earlier regeneration as this chain's: its conversations.jsonl checked against the
+    hash it is pinned by and its row count against --samples, then copied with its
+    manifest.json (the tokenizer identity extraction checks) into <out>/regenerated. The
+    answers are the target's own either way; CI pins one set so that the drafter check
+    does not regenerate on every landing (tests/test_regenerate.py checks regeneration
+    against vLLM's generate)."""
+    import hashlib
+    import shutil
+
+    from eagle3_extract.dataset.regenerated import CONVERSATIONS
+    from eagle3_extract.layout import temp_path
+
+    conv = src / CONVERSATIONS
+    if not conv.is_file() or not (src / MANIFEST_JSON).is_file():
+        raise SystemExit(f"e2e: --regenerated {src} needs {CONVERSATIONS} and {MANIFEST_JSON} "
+                         "(an eagle3-regenerate output dir)")
+    data = conv.read_bytes()
+    got = hashlib.sha256(data).hexdigest()
+    if got != sha256:
+        raise SystemExit(f"e2e: {conv} has sha256 {got}, not the pinned {sha256}: restore it "
+                         "(git checkout) or pin the new set's hash")
+    rows = data.count(b"\n")
+    if rows != samples:
+        raise SystemExit(f"e2e: {conv} holds {rows} conversations, --samples says {samples}")
+    dest.mkdir(parents=True, exist_ok=True)
+    for name in (CONVERSATIONS, MANIFEST_JSON):
+        tmp = temp_path(dest / name)
+        shutil.copyfile(src / name, tmp)
+        tmp.replace(dest / name)
+    print(f"e2e: regenerated set {src} ({rows} conversations, sha256 {got[:12]}...)", flush=True)
+    TIMES.append({"step": "regenerated", "out": str(dest), "seconds": 0.0})
+
+
 def model_args(args: argparse.Namespace) -> list[str]:
     """The target model and engine overrides every step that runs the target takes."""
     return [f"model={args.model}", *args.model_args, *args.engine_args]
@@ -235,6 +269,12 @@ def main(argv: list[str] | None = None) -> int:
                     help="also train and measure on the first N regenerated samples, each N")
     ap.add_argument("--prompts", type=Path, default=None,
                     help="a .jsonl of prompts to regenerate (default: dataset=prompts)")
+    ap.add_argument("--regenerated", type=Path, default=None, metavar="DIR",
+                    help="train on this earlier regeneration (DIR/conversations.jsonl with "
+                         "its manifest.json) instead of regenerating; needs "
+                         "--regenerated-sha256")
+    ap.add_argument("--regenerated-sha256", default=None, metavar="HEX",
+                    help="the sha256 --regenerated's conversations.jsonl must have")
     ap.add_argument("--extract-arg", dest="extract_args", action="append", default=[])
     ap.add_argument("--train-arg", dest="train_args", action="append", default=[])
     ap.add_argument("--model-arg", dest="model_args", action="append", default=[],
@@ -246,13 +286,22 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if any(n >= args.samples or n < 1 for n in args.curve):
         ap.error(f"--curve sizes must be between 1 and --samples ({args.samples}) exclusive")
+    if (args.regenerated is None) != (args.regenerated_sha256 is None):
+        ap.error("--regenerated and --regenerated-sha256 go together (a set is trusted by "
+                 "its hash, not its name)")
+    if args.regenerated is not None and args.prompts is not None:
+        ap.error("--regenerated replaces the regeneration: leave out --prompts")
     out = (args.out or Path("outputs/e2e") / args.model).resolve()
     t0 = time.monotonic()
     prompts = (["dataset=local", f"dataset.path={args.prompts.resolve()}"] if args.prompts
                else ["dataset=prompts"])
-    Lane().step("regenerate", *model_args(args), *prompts,
-                f"dataset.max_samples={args.samples}", f"generate.max_tokens={args.max_tokens}",
-                f"output.dir={out / 'regenerated'}")
+    if args.regenerated is not None:
+        use_regenerated(args.regenerated, args.regenerated_sha256, args.samples,
+                        out / "regenerated")
+    else:
+        Lane().step("regenerate", *model_args(args), *prompts,
+                    f"dataset.max_samples={args.samples}",
+                    f"generate.max_tokens={args.max_tokens}", f"output.dir={out / 'regenerated'}")
     reports = run_chains(out, args)
     real = reports["real"]
     result: dict[str, Any] = {"model": args.model, "samples": args.samples,
