@@ -40,3 +40,46 @@ def test_the_chains_run_in_order_and_all_report(monkeypatch, tmp_path):
     reports = e2e.run_chains(tmp_path, _args())
     assert list(reports) == ["real", "curve-480", "curve-2000"]
     assert ran == ["x-real", "m-real", "x-curve-480", "m-curve-480", "x-curve-2000", "m-curve-2000"]
+
+
+def test_a_pinned_regeneration_is_taken_by_its_hash_and_cut_to_samples(tmp_path):
+    """--regenerated: the set is trusted by its sha256, not its name; its first --samples
+    rows become the chain's answers, with the manifest extraction checks the tokenizer by."""
+    import hashlib
+    import json
+
+    src = tmp_path / "set"
+    src.mkdir()
+    rows = [json.dumps({"messages": [{"role": "user", "content": str(i)}]}) + "\n"
+            for i in range(5)]
+    (src / "conversations.jsonl").write_text("".join(rows))
+    (src / "manifest.json").write_text('{"kind": "eagle3-regenerate"}')
+    pin = hashlib.sha256("".join(rows).encode()).hexdigest()
+    dest = tmp_path / "out" / "regenerated"
+    e2e.use_regenerated(src, pin, 3, dest)
+    assert (dest / "conversations.jsonl").read_text() == "".join(rows[:3])
+    assert json.loads((dest / "manifest.json").read_text())["kind"] == "eagle3-regenerate"
+    assert sorted(p.name for p in dest.iterdir()) == ["conversations.jsonl", "manifest.json"]
+    with pytest.raises(SystemExit, match="not the pinned"):
+        e2e.use_regenerated(src, "0" * 64, 3, dest)
+    with pytest.raises(SystemExit, match="fewer than --samples 6"):
+        e2e.use_regenerated(src, pin, 6, dest)
+    (src / "manifest.json").unlink()
+    with pytest.raises(SystemExit, match="needs conversations.jsonl and manifest.json"):
+        e2e.use_regenerated(src, pin, 3, dest)
+
+
+def test_the_committed_regeneration_is_the_pinned_one():
+    """The drafter check's answers (tests/fixtures/e2e-smollm2) hash to what the check pins,
+    hold at least its samples, and carry SmolLM2's tokenizer identity."""
+    import hashlib
+    import json
+
+    import test_gpu_rehearsal as check
+
+    conv = check.REGENERATED / "conversations.jsonl"
+    assert hashlib.sha256(conv.read_bytes()).hexdigest() == check.REGENERATED_SHA256
+    assert len(conv.read_text().splitlines()) >= int(check.CHECK["SAMPLES"])
+    manifest = json.loads((check.REGENERATED / "manifest.json").read_text())
+    assert manifest["kind"] == "eagle3-regenerate" and manifest["model"]["path"] == "smollm2"
+    assert manifest["identity"]["model"]["vocab_sha256"]

@@ -3,16 +3,17 @@ both. bench/gpu.py runs bench/gpu_steps/e2e.sh as it does on the H200 (its run_s
 environment, the PYTHONPATH from bench/gpu_sites.py's declaration, the trainer's interpreter
 behind its own path, the results archive), here with the CPU build's engine settings and
 the drafter check's size (docs/QUALITY.md, "CI"): 160 of SmolLM2-135M-Instruct's own answers
-extracted, a drafter trained on them, the control (states one layer off, served by vLLM's
-ids) and the fp8 chain beside it, each measured on 40 held-out prompts; the step fails when
-the real drafter's first-position acceptance is below 15%, the control is not below half of
-it, or fp8 falls more than 3 points below bf16.
+extracted, a drafter trained on them (3 epochs), the control (states one layer off, served
+by vLLM's ids) and the fp8 chain beside it, each measured on the first 32 tokens of 24
+held-out prompts; the step fails when the real drafter's first-position acceptance is below
+13%, the control is not below half of it, or fp8 falls more than 3 points below bf16.
 
 The answers are a committed regeneration (tests/fixtures/e2e-smollm2/, pinned by the sha256
 below): regenerating them took most of CI's time, and regeneration has its own tests against
-vLLM's generate (tests/test_regenerate.py) and its rehearsal here (bench/regenerate.py on
-REGEN_SAMPLES prompts, job against LLM.generate). `make e2e MODEL=smollm2` runs the same
-chain regenerating its answers (`make test-all` runs it: tests/test_e2e_regenerates.py).
+vLLM's generate (tests/test_regenerate.py). The step's regeneration parts (bench/regenerate.py,
+the job against LLM.generate; the chain regenerating its prompts) are rehearsed by the
+`full` test below, which `make test-all` runs; `make e2e MODEL=smollm2` runs the drafter
+check's chain regenerating its answers.
 What differs from the device is only what the step takes as settings (ENGINE, the
 acceptance engine: vLLM 0.16's CPU build has no speculative decoding) and the interpreters."""
 
@@ -39,8 +40,9 @@ REGENERATED = ROOT / "tests" / "fixtures" / "e2e-smollm2"
 REGENERATED_SHA256 = "de28daed400025f74907c01fe7047fde8175ea230893595926ecb0769d98a248"
 # The drafter check's settings (docs/QUALITY.md: the thresholds and why)
 CHECK = {"SAMPLES": "160", "HELDOUT": "24", "MAX_TOKENS": "64", "TRAIN": "small",
-         "TRAIN_ARGS": "train.epochs=4", "CONTROL": "1", "FP8": "1", "CURVE": "",
-         "E2E_ARGS": "--min-first 0.15 --control-ratio 0.5 --fp8-drop 0.03 --jobs 2"}
+         "TRAIN_ARGS": "train.epochs=3", "CONTROL": "1", "FP8": "1", "CURVE": "",
+         "E2E_ARGS": "--acceptance-tokens 32 --min-first 0.13 --control-ratio 0.5 "
+                     "--fp8-drop 0.03 --jobs 2"}
 
 
 def run_the_e2e_step(tmp_path: Path, monkeypatch, settings: dict[str, str]
@@ -69,9 +71,13 @@ def run_the_e2e_step(tmp_path: Path, monkeypatch, settings: dict[str, str]
     log = back / "smollm2" / "e2e.log"
     tail = log.read_text()[-3000:] if log.exists() else "(no e2e.log)"
     assert rc == 0, f"the e2e step exited {rc}; its log ends:\n{tail}"
-    # the rehearsal: the regeneration bench, the chain's steps, the trainer's own environment
-    regen = json.loads((back / "regen.json").read_text())
-    assert regen["same_tokens"] and regen["samples_differing"] == 0 and regen["ratio"] > 0
+    # the rehearsal: the regeneration bench (where asked), the chain's steps, the trainer's
+    # own environment
+    if settings.get("REGEN_SAMPLES") != "0":
+        regen = json.loads((back / "regen.json").read_text())
+        assert regen["same_tokens"] and regen["samples_differing"] == 0 and regen["ratio"] > 0
+    else:
+        assert not (back / "regen.json").exists()
     e2e = json.loads((back / "smollm2" / "e2e.json").read_text())
     assert e2e["samples"] == int(settings["SAMPLES"])
     assert e2e["heldout"] == int(settings["HELDOUT"])
@@ -85,7 +91,7 @@ def run_the_e2e_step(tmp_path: Path, monkeypatch, settings: dict[str, str]
 @pytest.mark.trainer
 def test_the_drafter_check_runs_here_through_the_gpu_driver(tmp_path, monkeypatch):
     _, e2e = run_the_e2e_step(tmp_path, monkeypatch, {
-        "REGEN_SAMPLES": "2", "REGENERATED": str(REGENERATED),
+        "REGEN_SAMPLES": "0", "REGENERATED": str(REGENERATED),
         "REGENERATED_SHA256": REGENERATED_SHA256, **CHECK})
     steps = [s["step"] for s in e2e["steps"]]
     assert steps[0] == "regenerated" and "regenerate" not in steps  # the pinned set
@@ -96,7 +102,7 @@ def test_the_drafter_check_runs_here_through_the_gpu_driver(tmp_path, monkeypatc
         assert len(e2e[chain]["acceptance_per_position"]) == 3, chain
     first = {c: e2e[c]["acceptance_per_position"][0] for c in ("real", "control", "fp8")}
     print("drafter check, first-position acceptance:", first)
-    assert first["real"] >= 0.15 and first["control"] <= 0.5 * first["real"]
+    assert first["real"] >= 0.13 and first["control"] <= 0.5 * first["real"]
     assert first["fp8"] >= first["real"] - 0.03
 
 
@@ -104,10 +110,11 @@ def test_the_drafter_check_runs_here_through_the_gpu_driver(tmp_path, monkeypatc
 @pytest.mark.trainer
 @pytest.mark.full
 def test_the_e2e_step_regenerates_its_answers_through_the_driver(tmp_path, monkeypatch):
-    """The step as it runs on the device: regenerate the prompts, then the chain (no control,
-    no thresholds: a few samples). Only in `make test-all`: the drafter check above runs the
-    same step on committed answers on every landing, and regeneration is tested against
-    vLLM's generate in tests/test_regenerate.py."""
+    """The step as it runs on the device: bench/regenerate.py (the job against vLLM's
+    LLM.generate), then regenerate the prompts, then the chain (no control, no thresholds: a
+    few samples). Only in `make test-all`: the drafter check above runs the same step on
+    committed answers on every landing, and regeneration is tested against vLLM's generate
+    in tests/test_regenerate.py on every landing too."""
     _, e2e = run_the_e2e_step(tmp_path, monkeypatch, {
         "SAMPLES": "12", "CURVE": "", "HELDOUT": "2", "REGEN_SAMPLES": "4",
         "TRAIN_ARGS": "train.epochs=1"})

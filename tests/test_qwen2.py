@@ -57,13 +57,19 @@ def rows(tmp_path_factory) -> Path:
 
 
 def extract(rows: Path, out: Path, *overrides: str) -> dict:
-    from eagle3_extract.extract.job import run
+    """The job as a user runs it, in its own process: an in-process run left ~3 GiB of the
+    engine in pytest for each extraction (CI's 16 GiB: tests/conftest.py's memory report)."""
+    import sys
 
-    return run(compose_cfg("model=qwen25_coder_0_5b", "model.max_model_len=1024",
-                           "engine=vllm", "engine.distributed_executor_backend=uni",
-                           "engine.token_budget=2048", "dataset=local",
-                           f"dataset.path={rows}", "dataset.shuffle=false",
-                           f"output.dir={out}", *overrides))
+    args = ["model=qwen25_coder_0_5b", "model.max_model_len=1024", "engine=vllm",
+            "engine.distributed_executor_backend=uni", "engine.token_budget=2048",
+            "dataset=local", f"dataset.path={rows}", "dataset.shuffle=false",
+            f"output.dir={out}", *overrides]
+    compose_cfg(*args)  # a typo fails here, not in the child
+    r = subprocess.run([sys.executable, "-m", "eagle3_extract.cli", *args],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    return json.loads((out / "manifest.json").read_text())
 
 
 @pytest.fixture(scope="module")
@@ -117,11 +123,17 @@ def test_loss_masks_follow_its_chatml_on_every_row_kind(qwen, st_run):
 
 
 def test_states_equal_hf_per_layer_and_vllms_aux_path(st_run):
-    from eagle3_extract.check.verify import verify
+    """eagle3-verify in its own process, as a user runs it (its two references, HF in
+    float32 and vLLM's aux path in-process, left ~3 GiB in pytest)."""
+    import sys
+
+    from eagle3_extract.check.verify import REPORT_NAME
 
     out, _ = st_run
-    report = verify(out, samples=len(ROWS))
-    assert report["ok"], report["failures"]
+    r = subprocess.run([sys.executable, "-m", "eagle3_extract.check.verify", str(out),
+                        "--samples", str(len(ROWS))], capture_output=True, text=True)
+    report = json.loads((out / REPORT_NAME).read_text())
+    assert r.returncode == 0 and report["ok"], (report["failures"], r.stderr[-2000:])
     hf = report["references"]["hf"]["per_layer"]
     assert list(hf) == ["2", "12", "21", "24"]
     print({k: round(v["mean"], 4) for k, v in hf.items()})

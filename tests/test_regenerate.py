@@ -445,9 +445,13 @@ def test_smollm2_greedy_equals_llm_generate_and_its_answer_is_the_loss_mask(smol
 
 
 @engine
+@pytest.mark.full
 def test_data_parallel_replicas_write_what_one_engine_writes(tmp_path):
     """parallel.data_parallel_size=2: two LLM replicas, each its own shard; the last to
-    finish assembles. Same seeds per sample and turn: the same conversations as DP=1."""
+    finish assembles. Same seeds per sample and turn: the same conversations as DP=1.
+    Three engine starts: `make test-all` runs it (`full`); the replica launcher and the
+    shards' assembly are extraction's too, checked on every landing by
+    tests/test_scale.py's two vLLM replicas against the unsharded run."""
     env = {k: v for k, v in os.environ.items() if k != "VLLM_CPU_OMP_THREADS_BIND"}
     common = ["dataset.max_samples=6", "generate.max_tokens=12", "generate.chunk_samples=2",
               "engine.device=cpu", *BATCH_INVARIANT]

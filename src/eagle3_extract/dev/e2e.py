@@ -137,8 +137,8 @@ def post_norm_last_layer(root: Path) -> int:
 
 def use_regenerated(src: Path, sha256: str, samples: int, dest: Path) -> None:
     """An earlier regeneration as this chain's: its conversations.jsonl checked against the
-    hash it is pinned by and its row count against --samples, then copied with its
-    manifest.json (the tokenizer identity extraction checks) into <out>/regenerated. The
+    hash it is pinned by, then its first --samples rows (it must hold that many) copied with
+    its manifest.json (the tokenizer identity extraction checks) into <out>/regenerated. The
     answers are the target's own either way; CI pins one set so that the drafter check
     does not regenerate on every landing (tests/test_regenerate.py checks regeneration
     against vLLM's generate)."""
@@ -157,15 +157,19 @@ def use_regenerated(src: Path, sha256: str, samples: int, dest: Path) -> None:
     if got != sha256:
         raise SystemExit(f"e2e: {conv} has sha256 {got}, not the pinned {sha256}: restore it "
                          "(git checkout) or pin the new set's hash")
-    rows = data.count(b"\n")
-    if rows != samples:
-        raise SystemExit(f"e2e: {conv} holds {rows} conversations, --samples says {samples}")
+    lines = data.splitlines(keepends=True)
+    if len(lines) < samples:
+        raise SystemExit(f"e2e: {conv} holds {len(lines)} conversations, fewer than --samples "
+                         f"{samples}")
     dest.mkdir(parents=True, exist_ok=True)
-    for name in (CONVERSATIONS, MANIFEST_JSON):
-        tmp = temp_path(dest / name)
-        shutil.copyfile(src / name, tmp)
-        tmp.replace(dest / name)
-    print(f"e2e: regenerated set {src} ({rows} conversations, sha256 {got[:12]}...)", flush=True)
+    tmp = temp_path(dest / CONVERSATIONS)
+    tmp.write_bytes(b"".join(lines[:samples]))
+    tmp.replace(dest / CONVERSATIONS)
+    tmp = temp_path(dest / MANIFEST_JSON)
+    shutil.copyfile(src / MANIFEST_JSON, tmp)
+    tmp.replace(dest / MANIFEST_JSON)
+    print(f"e2e: regenerated set {src} (its first {samples} of {len(lines)} conversations, "
+          f"sha256 {got[:12]}...)", flush=True)
     TIMES.append({"step": "regenerated", "out": str(dest), "seconds": 0.0})
 
 
@@ -193,7 +197,8 @@ def train_and_measure(out: Path, args: argparse.Namespace, kind: str, served: li
     lane.step("train", f"data.dir={ext}", f"train={args.train}", f"output.dir={drafter}",
               *served, *args.train_args)
     lane.step("acceptance", *model_args(args), f"drafter.dir={drafter / 'drafter'}",
-              f"dataset.max_samples={args.heldout}", f"acceptance.max_tokens={args.max_tokens}",
+              f"dataset.max_samples={args.heldout}",
+              f"acceptance.max_tokens={args.acceptance_tokens or args.max_tokens}",
               f"output.dir={acc}", *args.acceptance_args)
     return json.loads((acc / ACCEPTANCE_JSON).read_text())
 
@@ -247,6 +252,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--samples", type=int, default=480, help="prompts to regenerate and train on")
     ap.add_argument("--heldout", type=int, default=160, help="held-out prompts to measure on")
     ap.add_argument("--max-tokens", type=int, default=128, help="per answer and per measured prompt")
+    ap.add_argument("--acceptance-tokens", type=int, default=None, metavar="N",
+                    help="tokens generated per held-out prompt when measuring (default "
+                         "--max-tokens): the first N of each answer")
     ap.add_argument("--train", default="small", help="a train config group")
     ap.add_argument("--min-first", type=float, default=None,
                     help="fail when the real drafter's first-position acceptance is below")
@@ -305,7 +313,9 @@ def main(argv: list[str] | None = None) -> int:
     reports = run_chains(out, args)
     real = reports["real"]
     result: dict[str, Any] = {"model": args.model, "samples": args.samples,
-                              "heldout": args.heldout, "train": args.train, "real": real,
+                              "heldout": args.heldout, "max_tokens": args.max_tokens,
+                              "acceptance_tokens": args.acceptance_tokens or args.max_tokens,
+                              "train": args.train, "real": real,
                               "jobs": args.jobs}
     problems = []
     first = real["acceptance_per_position"][0]
