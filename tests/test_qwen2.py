@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -59,8 +60,6 @@ def rows(tmp_path_factory) -> Path:
 def extract(rows: Path, out: Path, *overrides: str) -> dict:
     """The job as a user runs it, in its own process: an in-process run left ~3 GiB of the
     engine in pytest for each extraction (CI's 16 GiB: tests/conftest.py's memory report)."""
-    import sys
-
     args = ["model=qwen25_coder_0_5b", "model.max_model_len=1024", "engine=vllm",
             "engine.distributed_executor_backend=uni", "engine.token_budget=2048",
             "dataset=local", f"dataset.path={rows}", "dataset.shuffle=false",
@@ -125,8 +124,6 @@ def test_loss_masks_follow_its_chatml_on_every_row_kind(qwen, st_run):
 def test_states_equal_hf_per_layer_and_vllms_aux_path(st_run):
     """eagle3-verify in its own process, as a user runs it (its two references, HF in
     float32 and vLLM's aux path in-process, left ~3 GiB in pytest)."""
-    import sys
-
     from eagle3_extract.check.verify import REPORT_NAME
 
     out, _ = st_run
