@@ -103,3 +103,127 @@ def test_refusals_are_one_line(run_dir, tmp_path, capsys):
     assert len(err) == 1 and "--model" in err[0], err
     with pytest.raises(SystemExit):
         export_mod.main([str(src), str(tmp_path / "y"), "--format", "sglang"])
+
+
+def _killed_export(src, out, fmt, monkeypatch, after=3):
+    """An export killed as it writes row `after + 1`; returns its partial dir."""
+    name = "save_torch" if fmt != "speculators" else "_write_speculators_row"
+    owner = export_formats if fmt != "speculators" else export_mod
+    real, calls = getattr(owner, name), []
+
+    def dies(*a, **kw):
+        calls.append(1)
+        if len(calls) == after + 1:
+            raise KeyboardInterrupt
+        return real(*a, **kw)
+
+    monkeypatch.setattr(owner, name, dies)
+    with pytest.raises(KeyboardInterrupt):
+        export_mod.export(src, out, fmt)
+    monkeypatch.setattr(owner, name, real)
+    return export_mod.partial_dir(out)
+
+
+@pytest.mark.parametrize("fmt", ["speculators", "modelopt"])
+def test_a_journal_line_cut_by_a_kill_costs_its_row_not_the_rest(run_dir, tmp_path,
+                                                                  monkeypatch, fmt):
+    """A kill mid-line, then the same command: every row, and no temp in OUT."""
+    src, _ = run_dir
+    out = tmp_path / "out"
+    part = _killed_export(src, out, fmt, monkeypatch)
+    journal = part / export_mod.JOURNAL
+    text = journal.read_text()
+    last = text.rstrip("\n").rsplit("\n", 1)[1]
+    journal.write_text(text[: len(text) - 1 - len(last) // 2])  # the last line, torn
+    rows_dir = part / ("hidden_states" if fmt == "speculators" else "rows")
+    stray = next(p for p in rows_dir.rglob("*") if p.is_file())
+    (stray.parent / f".{stray.name}.tmp-4242").write_bytes(b"half a row")  # a killed write
+    rec = export_mod.export(src, out, fmt)
+    assert rec["rows"] == 6 and rec["resumed_rows"] == 2
+    assert not [p for p in out.rglob("*") if ".tmp-" in p.name]
+    files = [p for p in out.rglob("*") if p.is_file()
+             and p.relative_to(out).parts[0] in ("hidden_states", "rows")]
+    assert len(files) == 6
+    if fmt == "speculators":
+        import datasets
+
+        ds = datasets.load_from_disk(str(out))
+        assert len(ds) == 6 and sorted(int(i) for i in ds["sample_index"]) == sorted(
+            sample_files(src, "safetensors"))
+
+
+def test_model_must_be_the_one_the_extraction_ran_on(run_dir, tmp_path):
+    """A checkpoint of the same shape but another config is refused before any row."""
+    import shutil
+
+    src, _ = run_dir
+    ran_on = json.loads((src / "manifest.json").read_text())["model"]["resolved_path"]
+    other = tmp_path / "other-model"
+    shutil.copytree(ran_on, other)
+    cfg = json.loads((other / "config.json").read_text())
+    cfg["rms_norm_eps"] = cfg.get("rms_norm_eps", 1e-6) * 10  # another model's final norm
+    (other / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(export_mod.ExportError, match="not the one the extraction ran on"):
+        export_mod.export(src, tmp_path / "x", "modelopt", model=str(other))
+    assert not (tmp_path / "x").exists() and not export_mod.partial_dir(tmp_path / "x").exists()
+    assert export_mod.export(src, tmp_path / "y", "modelopt", model=ran_on)["rows"] == 6
+
+
+def test_two_exports_into_one_out_leave_one_whole_export(run_dir, tmp_path):
+    import threading
+
+    src, _ = run_dir
+    out, results = tmp_path / "out", []
+
+    def one():
+        try:
+            results.append(export_mod.export(src, out, "modelopt")["rows"])
+        except export_mod.ExportError as e:
+            results.append(str(e))
+
+    threads = [threading.Thread(target=one) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(map(str, results))[0] == "6", results  # one export, whole
+    assert ("another eagle3-export is writing" in str(results) or
+            "exists and is not empty" in str(results)), results
+    assert len([p for p in out.rglob("*.pt")]) == 6
+    assert not export_mod.partial_dir(out).exists()
+
+
+def test_a_folder_the_export_did_not_make_is_left_alone(run_dir, tmp_path, capsys):
+    src, _ = run_dir
+    out = tmp_path / "out"
+    part = export_mod.partial_dir(out)
+    part.mkdir()
+    (part / "mine.txt").write_text("the user's")
+    assert export_mod.main([str(src), str(out), "--format", "modelopt"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "did not write" in err[0], err
+    assert (part / "mine.txt").read_text() == "the user's" and not out.exists()
+
+
+def test_a_full_disk_is_one_line_and_the_rerun_finishes(run_dir, tmp_path, capsys):
+    import subprocess
+
+    src, _ = run_dir
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=96k", "tmpfs", str(mnt)],
+                       capture_output=True)
+    if r.returncode:
+        pytest.skip("cannot mount a small tmpfs here (needs root)")
+    try:
+        out = mnt / "out"
+        assert export_mod.main([str(src), str(out), "--format", "modelopt"]) == 1
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "No space left on device" in err[0], err
+        assert not out.exists()  # nothing that looks whole
+        subprocess.run(["mount", "-o", "remount,size=16m", str(mnt)], check=True)
+        assert export_mod.main([str(src), str(out), "--format", "modelopt"]) == 0
+        assert len(list(out.rglob("*.pt"))) == 6
+        assert not [p for p in out.rglob("*") if ".tmp-" in p.name]
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)

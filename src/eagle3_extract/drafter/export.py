@@ -20,11 +20,14 @@ venv-train, venv-specforge, venv-modelopt), none this one.
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import os
 import shutil
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +39,7 @@ from eagle3_extract.drafter.export_formats import FORMATS, POST_NORM, FormatErro
 from eagle3_extract.extract.writer import save_safetensors
 from eagle3_extract.layout import (EXPORT_JSON, SCALES_KEY, STATES_KEY, VOCAB_DIR, Storage,
                                    atomic_write, links, remove_temps, verified_files)
+from eagle3_extract.lock import _try_flock
 from eagle3_extract.manifest import file_sha256, write_json_atomic
 from eagle3_extract.quant import states_of, states_tensor
 
@@ -121,33 +125,96 @@ def _final_norm(man: Any, model: str | None):
             raise ExportError(f"{info.path} has {info.num_layers} layers x {info.hidden_size}, "
                               f"the extraction was made with {man.model['num_layers']} x "
                               f"{man.model['hidden_size']}; give --model the model it ran on")
+        want = man.model.get("config_sha256")
+        if want and info.config_sha256 != want:
+            raise ExportError(f"{info.path}: its config.json (sha256 "
+                              f"{str(info.config_sha256)[:12]}..) is not the one the extraction "
+                              f"ran on ({want[:12]}..); give --model the checkpoint it ran on")
         return formats.load_final_norm(info.path, info.hidden_size), info
     except (ValueError, OSError) as e:
         raise ExportError(f"{e} (--model DIR: the checkpoint the extraction ran on)") from None
 
 
+def _is_temp(name: str) -> bool:
+    """A file a killed writer of ours left (atomic_write's and the rows' `.NAME.tmp-TAG`)."""
+    return name.startswith(".") and ".tmp-" in name
+
+
+@contextmanager
+def _owned_partial(part: Path, out: Path) -> Iterator[None]:
+    """Hold `part` for this export alone (a lock on the directory itself, which travels
+    with its rename to OUT): a second export into the same OUT is one line, and a folder
+    at `part` that an export did not make is left alone."""
+    made = False
+    try:
+        part.mkdir(parents=True)
+        made = True
+    except FileExistsError:
+        if part.is_symlink() or not part.is_dir():
+            raise ExportError(f"{part} exists and is not an export's directory; move it away "
+                              "or give another OUT") from None
+    fd = os.open(part, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        if not _try_flock(fd) or os.fstat(fd).st_ino != os.stat(part).st_ino:
+            raise ExportError(f"another eagle3-export is writing {out} (it holds {part}); "
+                              "wait for it to finish, or give another OUT")
+        try:
+            if not (part / JOURNAL).is_file() and any(
+                    not _is_temp(e.name) for e in os.scandir(part)):
+                raise ExportError(f"{part} holds files an export did not write (it has no "
+                                  f"{JOURNAL}); move it away or give another OUT")
+            if out.exists() and any(out.iterdir()):
+                raise ExportError(f"{out} exists and is not empty: give a new directory")
+            yield
+        except BaseException:
+            if made and not (part / JOURNAL).exists():
+                shutil.rmtree(part, ignore_errors=True)  # ours, and nothing journaled in it
+            raise
+    finally:
+        os.close(fd)
+
+
+def _remove_row_temps(part: Path) -> int:
+    """The temps a killed export left under `part`: none may reach OUT."""
+    removed = 0
+    for dirpath, _, names in os.walk(part):
+        for name in names:
+            if _is_temp(name):
+                os.unlink(os.path.join(dirpath, name))
+                removed += 1
+    return removed
+
+
 def _journal(part: Path, identity: dict) -> dict[int, dict]:
-    """The rows a killed export of the same identity left whole, by sample index; a
-    partial export of anything else is refused."""
+    """The rows a killed export of the same identity journaled, by sample index; a
+    partial export of anything else is refused. A line cut short by the kill is dropped,
+    and the journal rewritten without it, so the next line starts on a line of its own."""
     path = part / JOURNAL
     if not path.is_file():
-        if part.exists():
-            shutil.rmtree(part)  # killed before its first journal line: nothing to keep
-        part.mkdir(parents=True)
+        _remove_row_temps(part)
         with atomic_write(path, "w") as f:
             f.write(json.dumps(identity) + "\n")
         return {}
-    lines = path.read_text().splitlines()
-    if json.loads(lines[0]) != identity:
+    text = path.read_text()
+    lines = text.splitlines()
+    try:
+        head = json.loads(lines[0]) if lines else None
+    except json.JSONDecodeError:
+        head = None
+    if head != identity:
         raise ExportError(f"{part} holds a killed export of another source, format or model; "
                           "delete it (rm -r) or give another OUT")
-    rows = {}
+    rows, good = {}, [lines[0]]
     for line in lines[1:]:
         try:
             rec = json.loads(line)
-        except json.JSONDecodeError:
-            break  # the last line of a killed writer
-        rows[rec["index"]] = rec
+            rows[int(rec["index"])] = rec
+            good.append(line)
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError):
+            continue  # a line a killed writer cut short: its row is redone
+    if len(good) != len(lines) or not text.endswith("\n"):
+        with atomic_write(path, "w") as f:
+            f.write("".join(line + "\n" for line in good))
     return rows
 
 
@@ -162,6 +229,8 @@ def export(root: Path, out: Path, fmt: str = "speculators", model: str | None = 
     man = manifests[0]
     if out.exists() and any(out.iterdir()):
         raise ExportError(f"{out} exists and is not empty: give a new directory")
+    if out.is_symlink() or (out.exists() and not out.is_dir()):
+        raise ExportError(f"{out} exists and is not a directory: give a new directory")
     layer_ids = list(man.layer_ids)
     norm, dtype, model_rec = None, None, None
     if fmt in POST_NORM:
@@ -177,7 +246,17 @@ def export(root: Path, out: Path, fmt: str = "speculators", model: str | None = 
                 "final_norm_sha256": norm.sha256 if norm else None}
     remove_temps(out)  # an earlier (pre-journal) export's, killed
     part = partial_dir(out)
-    done = _journal(part, identity)
+    with _owned_partial(part, out):
+        done = _journal(part, identity)
+        _remove_row_temps(part)
+        return _write_rows(root, out, part, fmt, man, whole, src_fmt, fp8, norm, dtype,
+                           model_rec, identity, done, t0)
+
+
+def _write_rows(root: Path, out: Path, part: Path, fmt: str, man: Any, whole: dict,
+                src_fmt: str, fp8: bool, norm: Any, dtype: Any, model_rec: dict | None,
+                identity: dict, done: dict[int, dict], t0: float) -> dict:
+    layer_ids = list(man.layer_ids)
     kept = 0
     journal = open(part / JOURNAL, "a")
     last_sync = time.monotonic()
@@ -213,9 +292,16 @@ def export(root: Path, out: Path, fmt: str = "speculators", model: str | None = 
                 journal.flush()
                 os.fsync(journal.fileno())
                 last_sync = time.monotonic()
+        journal.flush()
+        os.fsync(journal.fileno())
     finally:
         journal.close()
     rows = _journal(part, identity)
+    lost = sorted(set(whole) - set(rows))
+    if lost:  # nothing may look whole with a row short
+        raise ExportError(f"{len(lost)} of {len(whole)} rows are not in {part}'s journal "
+                          f"(e.g. sample {lost[0]}); rerun the same command to redo them")
+    rows = {i: rows[i] for i in whole}
     return _finish(root, out, part, fmt, man, rows, fp8, model_rec, kept, t0)
 
 
@@ -237,6 +323,13 @@ def _finish(root: Path, out: Path, part: Path, fmt: str, man: Any, rows: dict[in
             fp8: bool, model_rec: dict | None, kept: int, t0: float) -> dict:
     """The trainer's index (speculators' Arrow rows), export.json, then the rename."""
     ordered = [rows[i] for i in sorted(rows)]
+    listed = {r["file"] for r in ordered}
+    for top in {f.split("/")[0] for f in listed}:  # a row no journal line names is no row
+        for dirpath, _, names in os.walk(part / top):
+            for name in names:
+                path = os.path.join(dirpath, name)
+                if os.path.relpath(path, part) not in listed:
+                    os.unlink(path)
     if fmt == "speculators":
         import datasets
         from safetensors import safe_open
@@ -306,6 +399,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"eagle3-export: error: {e.filename or args.dir}: cannot be read or written "
               f"({e.strerror}); fix its permissions", file=sys.stderr)
         return 2
+    except OSError as e:  # the disk, not the code: one line, and the rerun resumes
+        hint = ("free space there and rerun the same command: the rows written are kept"
+                if e.errno in (errno.ENOSPC, errno.EDQUOT) else
+                "fix that and rerun the same command: the rows written are kept")
+        print(f"eagle3-export: error: {e.filename or args.out}: {e.strerror or e}; {hint}",
+              file=sys.stderr)
+        return 1
     resumed = f", {rec['resumed_rows']} kept from a killed export" if rec["resumed_rows"] else ""
     print(f"eagle3-export: {rec['rows']} rows in {args.out} ({rec['format']}{resumed}) in "
           f"{rec['seconds']} s")
