@@ -227,3 +227,31 @@ def test_a_full_disk_is_one_line_and_the_rerun_finishes(run_dir, tmp_path, capsy
         assert not [p for p in out.rglob("*") if ".tmp-" in p.name]
     finally:
         subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def test_train_checks_a_kept_export_like_a_fresh_one(run_dir, tmp_path, caplog):
+    """eagle3-train's rerun reuses its export only when every file re-hashes to its record:
+    a lost row or a changed Arrow file is exported again, not trained on."""
+    from eagle3_extract.check.run_dir import complete_run
+    from eagle3_extract.drafter import train
+
+    src, m = run_dir
+    man = complete_run(src)[0][0]
+    plan = train.Plan(None, src, tmp_path, man, list(man.layer_ids), [], tmp_path, "cpu", {}, {})
+    dst = train._export(plan)
+    assert export_mod.export_problem(dst) is None
+    stamp = (dst / "export.json").stat().st_mtime_ns
+    assert train._export(plan) == dst and (dst / "export.json").stat().st_mtime_ns == stamp
+    lost = sorted(dst.glob("hidden_states/*.safetensors"))[2]
+    lost.unlink()
+    assert "is missing" in export_mod.export_problem(dst)
+    train._export(plan)
+    assert lost.is_file() and export_mod.export_problem(dst) is None
+    arrow = next(dst.glob("*.arrow"))
+    data = bytearray(arrow.read_bytes())
+    data[-20] ^= 1
+    arrow.write_bytes(bytes(data))
+    assert "changed after it was exported" in export_mod.export_problem(dst)
+    train._export(plan)
+    assert export_mod.export_problem(dst) is None
+    assert "not whole" in caplog.text

@@ -352,6 +352,10 @@ def _finish(root: Path, out: Path, part: Path, fmt: str, man: Any, rows: dict[in
         for p in arrow.iterdir():
             os.replace(p, part / p.name)
         arrow.rmdir()
+    index = {}
+    if fmt == "speculators":  # the Arrow files the trainer reads first, hashed like the rows
+        index = {p.name: file_sha256(p) for p in sorted(part.iterdir())
+                 if p.is_file() and p.name != JOURNAL and not _is_temp(p.name)}
     if (root / VOCAB_DIR).is_dir():
         shutil.rmtree(part / VOCAB_DIR, ignore_errors=True)
         shutil.copytree(root / VOCAB_DIR, part / VOCAB_DIR)
@@ -370,6 +374,7 @@ def _finish(root: Path, out: Path, part: Path, fmt: str, man: Any, rows: dict[in
                           "without_checksum": sum(not r["checksum"] for r in ordered)},
               "resumed_rows": kept,
               "files": {r["file"]: r["sha256"] for r in ordered},
+              "index_files": index,
               "seconds": round(time.perf_counter() - t0, 3)}
     write_json_atomic(part / EXPORT_JSON, record)
     (part / JOURNAL).unlink()
@@ -378,6 +383,29 @@ def _finish(root: Path, out: Path, part: Path, fmt: str, man: Any, rows: dict[in
         out.rmdir()
     part.rename(out)
     return record
+
+
+def export_problem(out: Path) -> str | None:
+    """Why a finished export cannot be trusted, or None: export.json whole, every file it
+    lists (rows and the trainer's index) there and re-hashing to its sha256, one file per
+    row. One read of the export: what a kept export costs before a trainer reads it."""
+    try:
+        rec = json.loads((out / EXPORT_JSON).read_text())
+        files, index = dict(rec["files"]), rec.get("index_files")
+        rows = int(rec["rows"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return f"{out / EXPORT_JSON}: not a finished export's record ({type(e).__name__})"
+    if len(files) != rows:
+        return f"{EXPORT_JSON} lists {len(files)} files for {rows} rows"
+    if index is None and rec.get("format") == FORMAT_NAMES["speculators"]:
+        return f"{EXPORT_JSON} has no hashes of the trainer's index (an older export)"
+    for rel, sha in {**files, **(index or {})}.items():
+        path = out / rel
+        if path.is_symlink() or not path.is_file():
+            return f"{path} is missing"
+        if file_sha256(path) != sha:
+            return f"{path} changed after it was exported (sha256 differs)"
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -38,7 +38,7 @@ import numpy as np
 
 from eagle3_extract.config import ConfigError, validate_train
 from eagle3_extract.errors import JobError, PreflightError
-from eagle3_extract.drafter.export import ExportError, export
+from eagle3_extract.drafter.export import ExportError, export, export_problem
 from eagle3_extract.layout import (D2T_NPY, EXPORT_JSON, T2D_NPY, TOKEN_FREQ_JSON, TRAIN_JSON, VOCAB_DIR,
                      atomic_write, remove_temps, temp_path)
 from eagle3_extract.lock import ShardLock
@@ -179,13 +179,20 @@ def preflight(cfg: Any) -> Plan:
 
 
 def _export(plan: Plan) -> Path:
-    """The trainer's input: reused when it is this extraction's, else written anew."""
+    """The trainer's input: reused when it is this extraction's and every file re-hashes
+    to export.json's record, else written anew."""
     dst = plan.out / EXPORT_DIR
     rec = dst / EXPORT_JSON
     if rec.is_file():
-        old = json.loads(rec.read_text())
+        try:
+            old = json.loads(rec.read_text())
+        except ValueError:
+            old = {}
         if old.get("run_id") == plan.manifest.run_id and old.get("layer_ids") == plan.layer_ids:
-            return dst
+            problem = export_problem(dst)
+            if problem is None:
+                return dst
+            log.warning("the kept export is not whole (%s): exporting again", problem)
         shutil.rmtree(dst)
     elif dst.exists():
         shutil.rmtree(dst)  # a crash before export.json: not trusted
