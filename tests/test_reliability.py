@@ -62,6 +62,35 @@ def test_a_truncated_file_is_redone_and_status_agrees(done_run, tmp_path, offlin
     assert rc == 0 and rep["complete"] and rep["totals"]["damaged"] == 0
 
 
+def test_a_rerun_finds_a_relabelled_file_and_on_request_a_flipped_bit(done_run, tmp_path,
+                                                                      offline):
+    """A finished file whose header names another run is redone by any rerun; one with a
+    bit flipped in its tensors by a rerun with output.recheck=content (one read of the
+    output), counted. The default reads headers only: the docs say what it cannot see."""
+    from eagle3_extract.extract.job import run
+
+    out = tmp_path / "out"
+    shutil.copytree(done_run, out)
+    files = sorted(data_files(out).items())
+    relabelled, flipped = files[1][1], files[4][1]
+    want = {p: p.read_bytes() for p in (relabelled, flipped)}
+    run_id = json.loads((out / "run.json").read_text())["run_id"]
+    data = want[relabelled]
+    relabelled.write_bytes(data.replace(run_id.encode(), ("f" * len(run_id)).encode(), 1))
+    data = bytearray(want[flipped])
+    data[-3] ^= 0x10
+    flipped.write_bytes(bytes(data))
+    m = run(compose_cfg(*HF, f"output.dir={out}"))
+    assert m["counts"]["redone_damaged"] == 1 and m["counts"]["written_this_run"] == 1
+    assert relabelled.read_bytes() == want[relabelled]
+    assert flipped.read_bytes() != want[flipped]  # the header check cannot see it
+    m = run(compose_cfg(*HF, f"output.dir={out}", "output.recheck=content"))
+    assert m["counts"]["redone_damaged"] == 1 and m["counts"]["written_this_run"] == 1
+    assert flipped.read_bytes() == want[flipped]
+    rc, rep = status(out)
+    assert rc == 0 and rep["complete"] and rep["totals"]["damaged"] == 0
+
+
 HOLDER = """
 import sys, time
 from pathlib import Path

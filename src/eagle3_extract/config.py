@@ -28,6 +28,7 @@ OVERLONG_POLICIES = ("truncate", "skip")
 OUTPUT_FORMATS = ("safetensors", "speculators_pt")
 OUTPUT_DTYPES = ("model", "fp8")  # quant.py
 FP8_SCALES = ("token", "token_layer")
+RECHECKS = ("header", "content")
 ENGINES = ("vllm", "hf")
 DATASET_FORMATS = ("auto", "jsonl", "json", "parquet", "hub")
 TURN_MODES = ("all", "last")
@@ -94,6 +95,10 @@ class OutputConfig:
     writer_threads: int = 2
     # vocab/d2t.npy + t2d.npy from the loss-token counts (speculators' layout); null: none
     draft_vocab_size: Optional[int] = 32000
+    # what a rerun checks of the files it finds before it keeps them: "header" (size,
+    # header, the sample and run it names) or "content" (also every byte against its
+    # checksum: one read of the output; docs/job.md "Resume")
+    recheck: str = "header"
 
 
 @dataclass
@@ -369,6 +374,7 @@ def validate(cfg: Any) -> None:
     _choice("output.format", cfg.output.format, OUTPUT_FORMATS)
     _choice("output.dtype", cfg.output.dtype, OUTPUT_DTYPES)
     _choice("output.fp8_scale", cfg.output.fp8_scale, FP8_SCALES)
+    _choice("output.recheck", cfg.output.recheck, RECHECKS)
     if cfg.output.dtype == "fp8" and cfg.output.format != "safetensors":
         raise ConfigError(f"output.dtype=fp8 needs output.format=safetensors (speculators "
                           f"0.9.0's fp8 layout); {cfg.output.format} has no scales")

@@ -235,13 +235,18 @@ def sample_files(root: Path, fmt: str) -> dict[int, os.DirEntry]:
     return files
 
 
-def file_problem(path: str | Path, fmt: str, size: int | None = None) -> str | None:
-    """Why a final sample file is not whole, or None. Cheap: the header, not the data.
+def file_problem(path: str | Path, fmt: str, size: int | None = None, index: int | None = None,
+                 run_id: str | None = None, content: bool = False) -> str | None:
+    """Why a final sample file is not whole, or None. Cheap by default: the header, not
+    the data.
 
     safetensors: the 8-byte header length, the JSON header, and the file size, which
-    must be exactly header + the end of the last tensor. speculators_pt (a torch zip):
-    the zip's central directory, which sits at the end, and every member inside the
-    file. A file cut short, or overwritten by something else, fails either.
+    must be exactly header + the end of the last tensor; with `index` / `run_id`, the
+    sample and run its metadata names. speculators_pt (a torch zip): the zip's central
+    directory, which sits at the end, and every member inside the file. A file cut short,
+    overwritten by something else, or relabelled fails either. `content=True` also reads
+    the data once against the checksum written with it (a flipped bit; CRC-32 per member
+    for speculators_pt): one read of the output.
     """
     try:
         size = os.path.getsize(path) if size is None else size
@@ -254,16 +259,32 @@ def file_problem(path: str | Path, fmt: str, size: int | None = None) -> str | N
                 if n > size - 8:
                     return f"header of {n} bytes in a file of {size}"
                 header = json.loads(f.read(n))
-            end = max((t["data_offsets"][1] for k, t in header.items()
-                       if k != "__metadata__"), default=0)
-            if size != 8 + n + end:
-                return f"{size} bytes, the header says {8 + n + end}"
+                end = max((t["data_offsets"][1] for k, t in header.items()
+                           if k != "__metadata__"), default=0)
+                if size != 8 + n + end:
+                    return f"{size} bytes, the header says {8 + n + end}"
+                meta = header.get("__metadata__") or {}
+                if index is not None and meta.get("sample_index") != str(index):
+                    return f"holds sample {meta.get('sample_index')!r}, not {index}"
+                if run_id is not None and meta.get("run_id") != run_id:
+                    return f"a file of run {meta.get('run_id')!r}, not {run_id!r}"
+                if content and meta.get(CHECKSUM_KEY) is not None:
+                    import xxhash
+
+                    h = xxhash.xxh3_128()
+                    while chunk := f.read(1 << 24):
+                        h.update(chunk)
+                    if h.hexdigest() != meta[CHECKSUM_KEY]:
+                        return (f"content checksum {h.hexdigest()[:12]}.., written as "
+                                f"{meta[CHECKSUM_KEY][:12]}..: the file changed after it "
+                                "was written")
             return None
         with zipfile.ZipFile(path) as z:
             for info in z.infolist():
                 if info.header_offset + info.compress_size > size:
                     return f"member {info.filename} runs past the end of the file"
-        return None
+            bad = z.testzip() if content else None
+        return None if bad is None else f"member {bad} fails its CRC-32: changed after written"
     except (OSError, ValueError, KeyError, TypeError, zipfile.BadZipFile) as e:
         return f"unreadable ({type(e).__name__}: {e})"
 
@@ -307,16 +328,19 @@ def content_problem(data: bytes | memoryview, fmt: str) -> tuple[str | None, boo
     return None, True
 
 
-def verified_files(root: Path, fmt: str, owned: Callable[[int], bool] = lambda i: True
+def verified_files(root: Path, fmt: str, owned: Callable[[int], bool] = lambda i: True,
+                   run_id: str | None = None, content: bool = False
                    ) -> tuple[dict[int, os.DirEntry], dict[int, str]]:
     """(whole files by index, {index: problem} of the final files that are not whole,
     symbolic links in a sample file's place included), of the indices `owned` selects
-    (a shard reads the headers of its own files only)."""
+    (a shard reads the headers of its own files only). `run_id`: each file's metadata
+    must name that run and its own index; `content`: file_problem's full read."""
     good, bad = {}, {}
     for i, e in sample_files(root, fmt).items():
         if not owned(i):
             continue
-        problem = file_problem(e.path, fmt, e.stat(follow_symlinks=False).st_size)
+        problem = file_problem(e.path, fmt, e.stat(follow_symlinks=False).st_size,
+                               i if run_id else None, run_id, content)
         if problem is None:
             good[i] = e
         else:

@@ -282,9 +282,11 @@ def preflight(cfg: Any, start_engine: bool = False) -> Plan:
             if reused:
                 log.info("tokenized set reused (%s)", tc.cache_dir() / key)
         fmt = str(cfg.output.format)
-        # names are not trusted: headers are read, of this shard's files only
+        # names are not trusted: headers (and with output.recheck=content, every byte) are
+        # read, of this shard's files only
         owned = shard_owner(index, count)
-        whole, broken = verified_files(root, fmt, owned)
+        whole, broken = verified_files(root, fmt, owned, ident["run_id"],
+                                       str(cfg.output.recheck) == "content")
         damaged = dict(broken)
         todo = mine.select(todo_mask(mine.indices, whole))
         disk_need = _check_disk(root, info, layer_ids, todo, storage)
