@@ -484,3 +484,52 @@ def test_a_shard_reads_the_headers_of_its_own_files_only(tmp_path, monkeypatch):
     good, bad = layout.verified_files(tmp_path, "safetensors", owned=lambda i: i % 2 == 1)
     assert sorted(bad) == [1, 3, 5, 7] and not good and "symbolic link" in bad[7]
     assert sorted(Path(p).name for p in read) == [f"{i:09d}.safetensors" for i in (1, 3, 5)]
+
+
+KILL_A_WORKER = r"""
+import json, os, signal, sys, threading, time, multiprocessing
+from transformers import AutoTokenizer
+from eagle3_extract.config import ASSETS
+from eagle3_extract.dataset.rows import read_rows
+from eagle3_extract.dataset.render import Renderer
+from eagle3_extract.dataset.samples import seeded_order, tokenize_rows
+from eagle3_extract.errors import JobError
+from omegaconf import OmegaConf
+path = sys.argv[1]
+rows = read_rows(OmegaConf.create(dict(
+    name="t", path=path, split="train", hub_config=None, data_files=None, format="auto",
+    max_samples=None, seed=0, shuffle=True, max_length=None, overlong="truncate")))
+order = seeded_order(len(rows), 5, True, None)
+tok = AutoTokenizer.from_pretrained(str(ASSETS / "tokenizer"))
+def kill_one():
+    def later():
+        time.sleep(1.0)  # mid-span: each worker is tokenizing its first span
+        os.kill(multiprocessing.active_children()[0].pid, signal.SIGKILL)
+    threading.Thread(target=later, daemon=True).start()
+try:
+    tokenize_rows(rows, order, Renderer(tok), 300, "truncate", num_proc=2, on_workers=kill_one)
+except JobError as e:
+    print("JobError:", e)
+    sys.exit(3)
+print("finished")
+"""
+
+
+def test_a_tokenizer_worker_killed_mid_span_ends_the_job_in_seconds(tmp_path):
+    """A worker the OOM killer (or anyone) SIGKILLs: one line and an exit, not a hang."""
+    import subprocess
+    import sys
+    import time
+
+    rows = [json.loads(line) for line in SAMPLE.read_text().splitlines() if line.strip()]
+    path = write_lines(tmp_path / "many.jsonl", [json.dumps(rows[i % len(rows)])
+                                                 for i in range(40_000)])
+    t0 = time.monotonic()
+    try:
+        r = subprocess.run([sys.executable, "-c", KILL_A_WORKER, str(path)],
+                           capture_output=True, text=True, timeout=120)
+    except subprocess.TimeoutExpired:
+        pytest.fail("the job hung on its killed tokenizer worker")
+    out = r.stdout.strip().splitlines()
+    assert r.returncode == 3 and out and "killed by SIGKILL" in out[-1], (r.stdout, r.stderr)
+    assert "dataset.num_proc=1" in out[-1] and time.monotonic() - t0 < 120

@@ -259,6 +259,43 @@ def _threads_beside() -> list[str]:
     return [t.name for t in threading.enumerate() if t is not me and t.is_alive()]
 
 
+def _in_workers(spans: list[tuple[int, int]], num_proc: int,
+                on_workers: Callable[[], None] | None) -> list[dict[str, Any]]:
+    """`_forked_span` of each span in `num_proc` forked workers, in span order. A worker
+    that dies (a signal, the OOM killer) ends the job in one line within a second: with
+    multiprocessing.Pool its span was lost and the job waited for it forever."""
+    import multiprocessing as mp
+    from concurrent.futures import ProcessPoolExecutor
+    from concurrent.futures.process import BrokenProcessPool
+
+    from eagle3_extract.errors import JobError
+
+    ex = ProcessPoolExecutor(num_proc, mp_context=mp.get_context("fork"),
+                             initializer=_forked_worker_init)
+    procs: list = []
+    try:
+        futures = [ex.submit(_forked_span, span) for span in spans]  # forks them all
+        procs = list(getattr(ex, "_processes", {}).values())
+        if on_workers is not None:
+            on_workers()
+        return [f.result() for f in futures]
+    except BrokenProcessPool:
+        for proc in procs:
+            proc.join(1.0)  # the dead one's status is there at once
+        codes = sorted((p.exitcode for p in procs if p.exitcode), key=lambda c: c >= 0)
+        how = (f"killed by {__import__('signal').Signals(-codes[0]).name}"
+               if codes and codes[0] < 0 else f"exit status {codes[0]}" if codes else "died")
+        raise JobError(f"a tokenizer worker {how} (the OOM killer, or a signal sent to it); "
+                       "nothing was written: rerun, or set dataset.num_proc=1 to tokenize in "
+                       "the job's own process") from None
+    except BaseException:
+        for proc in procs:  # they ignore SIGINT: the job's Ctrl-C or SIGTERM ends them here
+            proc.terminate()
+        raise
+    finally:
+        ex.shutdown(wait=True, cancel_futures=True)
+
+
 def tokenize_rows(
     rows: list[Any], order: list[int], renderer: Renderer, max_length: int, overlong: str,
     num_proc: int = 1, shard: tuple[int, int] = (0, 1),
@@ -286,8 +323,6 @@ def tokenize_rows(
             on_workers()
         parts = [_tokenize_span(rows, order, positions, renderer, max_length, overlong)]
     else:
-        import multiprocessing as mp
-
         global _FORKED
         step = -(-n // (num_proc * 4))
         spans = [(a, min(a + step, n)) for a in range(0, n, step)]
@@ -296,17 +331,9 @@ def tokenize_rows(
             log.warning("forking %d tokenizer workers beside running threads %s: a worker "
                         "may hang on a lock one of them held", num_proc, beside)
         _FORKED = (rows, order, positions, renderer, max_length, overlong)
-        pool = mp.get_context("fork").Pool(num_proc, initializer=_forked_worker_init)
         try:
-            if on_workers is not None:
-                on_workers()
-            parts = pool.map(_forked_span, spans, chunksize=1)
-            pool.close()  # the workers exit on their own; nothing is killed on success
-        except BaseException:
-            pool.terminate()
-            raise
+            parts = _in_workers(spans, num_proc, on_workers)
         finally:
-            pool.join()
             _FORKED = None
     lengths = np.concatenate([p["lengths"] for p in parts])
     offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
