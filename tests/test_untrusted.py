@@ -271,6 +271,56 @@ def test_the_job_runs_through_such_rows_and_counts_them(tmp_path):
     assert m["counts"]["written"] == len(GOOD) and m["counts"]["skipped_total"] == 4
 
 
+def _huge_row(mb: int) -> dict:
+    return {"messages": [{"role": "user", "content": "word " * (mb * 1024 * 1024 // 5)},
+                         {"role": "assistant", "content": "ok"}]}
+
+
+@pytest.mark.parametrize("overlong", ["truncate", "skip"])
+def test_a_50_mb_row_is_skipped_unread_and_counted_not_an_oom(tmp_path, overlong):
+    """Rendering and tokenizing one 50 MB row peaked at 12.7 GB and the job was killed;
+    over dataset.max_row_bytes (default from max_length) it is skipped before it is parsed,
+    counted, and every other row written. Peak RSS of the job (wait4) is measured."""
+    import subprocess
+
+    from test_job import env
+
+    rows = tmp_path / "rows.jsonl"
+    lines = [json.dumps(r) for r in GOOD]
+    lines.insert(3, json.dumps(_huge_row(50)))
+    rows.write_text("\n".join(lines) + "\n")
+    out = tmp_path / "out"
+    proc = subprocess.Popen([str(BIN / "eagle3-extract"), *HF, "dataset=local",
+                             f"dataset.path={rows}", f"dataset.overlong={overlong}",
+                             "dataset.max_samples=null", f"output.dir={out}"],
+                            env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    stdout, stderr = proc.communicate(timeout=600)
+    peak_mb = __import__("resource").getrusage(
+        __import__("resource").RUSAGE_CHILDREN).ru_maxrss / 1024
+    assert proc.returncode == 0, stderr[-2000:]
+    m = json.loads((out / "manifest.json").read_text())
+    assert m["counts"]["written"] == len(GOOD), m["counts"]
+    assert m["data"]["skipped"]["row_too_large"] == 1, m["data"]["skipped"]
+    assert peak_mb < 2500, f"peak RSS {peak_mb:.0f} MB"
+    print(f"peak RSS with a 50 MB row, overlong={overlong}: {peak_mb:.0f} MB")
+
+
+def test_a_parsed_row_over_the_bound_is_skipped_before_it_is_rendered(tmp_path):
+    """A .json file is parsed whole; its long row is still never rendered or tokenized."""
+    from transformers import AutoTokenizer
+
+    from eagle3_extract.config import ASSETS
+    from eagle3_extract.dataset.samples import build_dataset
+
+    rows = tmp_path / "rows.json"
+    rows.write_text(json.dumps([*GOOD, _huge_row(2)]))
+    tok = AutoTokenizer.from_pretrained(str(ASSETS / "tokenizer"))
+    cfg = compose_cfg("dataset=local", f"dataset.path={rows}", "dataset.max_row_bytes=100000")
+    data = build_dataset(cfg.dataset, tok, 1000)
+    assert len(data) == len(GOOD) and data.report["skipped"]["row_too_large"] == 1
+    assert "dataset.max_row_bytes 100000" in str(data.report["skipped_examples"])
+
+
 def test_a_json_file_with_a_huge_integer_skips_that_row(tmp_path):
     from eagle3_extract.dataset.rows import Malformed, _read_json
 

@@ -81,6 +81,9 @@ class DatasetConfig:
     max_length: Optional[int] = None  # default: model.max_model_len - 1
     overlong: str = "truncate"
     num_proc: Optional[int] = None  # tokenizer processes; null: one per core for big datasets
+    # a row longer than this is skipped and counted (row_too_large) before it is rendered;
+    # null: 32 bytes per token of max_length, at least 1 MiB (dataset/samples.py)
+    max_row_bytes: Optional[int] = None
 
 
 @dataclass
@@ -355,6 +358,8 @@ def _validate_job(cfg: Any) -> None:
     _positive("parallel.data_parallel_size", cfg.parallel.data_parallel_size)
     if cfg.dataset.max_samples is not None:
         _positive("dataset.max_samples", cfg.dataset.max_samples)
+    if cfg.dataset.max_row_bytes is not None:
+        _positive("dataset.max_row_bytes", cfg.dataset.max_row_bytes)
     if not 0 <= cfg.shard.index < cfg.shard.count:
         raise ConfigError(
             f"shard.index={cfg.shard.index} must be in 0..shard.count-1 "

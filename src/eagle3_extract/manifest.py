@@ -164,7 +164,7 @@ def dataset_identity(ds: Any, max_length: int) -> dict[str, Any]:
             source["tree_sha256"] = tree_sha256(path)
         else:
             source["revision"] = dataset_revision(str(ds.path))
-    return {
+    ident = {
         "source": source,
         "max_samples": ds.max_samples,
         "seed": int(ds.seed),
@@ -172,6 +172,9 @@ def dataset_identity(ds: Any, max_length: int) -> dict[str, Any]:
         "max_length": int(max_length),
         "overlong": str(ds.overlong),
     }
+    if ds.get("max_row_bytes") is not None:  # the default follows max_length: run ids stay
+        ident["max_row_bytes"] = int(ds.max_row_bytes)
+    return ident
 
 
 def chat_template_sha256(tokenizer: Any) -> str:

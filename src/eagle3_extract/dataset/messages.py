@@ -51,6 +51,9 @@ SKIP_REASONS = (
     # any other exception raised while reading, rendering or tokenizing one row (a
     # tokenizer's, a template's, ours): the row is skipped with it, never the job
     "row_error",
+    # more bytes than dataset.max_row_bytes (default from max_length): skipped before it
+    # is parsed (a .jsonl line) or rendered, whose memory grows with the row's length
+    "row_too_large",
 )
 # A used row whose message text spells one of the tokenizer's special tokens: tokenized
 # as the text it is, never as the control token (report "special_token_text").

@@ -214,6 +214,10 @@ class JsonlRows(Sequence):
         start, end = int(self._starts[i]), int(self._ends[i])
         return _parse_line(self._map[start:end], int(self._lines[i]))
 
+    def row_bytes(self, i: int) -> int:
+        """The bytes of row i's line, known before it is parsed."""
+        return int(self._ends[i] - self._starts[i])
+
     def __reduce__(self) -> tuple:  # a spawned process maps the file itself
         return (JsonlRows, (self.path,))
 

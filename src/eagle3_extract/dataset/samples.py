@@ -180,18 +180,52 @@ class Tokenized:
         }
 
 
+# A row's bytes per token of max_length above which it is skipped unread (the default of
+# dataset.max_row_bytes): text runs 3-6 bytes a token, JSON-escaped CJK about 9, so a row
+# over it is at least 4x too long, and truncation would have kept under a quarter of it.
+# Rendering and tokenizing take about 250 bytes of memory per byte of a row (one 50 MB row
+# peaked at 12.7 GB), so the bound is what keeps one row from being the job's OOM.
+ROW_BYTES_PER_TOKEN = 32
+MIN_ROW_BYTES = 1 << 20
+
+
+def row_byte_bound(max_row_bytes: int | None, max_length: int) -> int:
+    """dataset.max_row_bytes, or its default from the length limit."""
+    if max_row_bytes is not None:
+        return int(max_row_bytes)
+    return max(MIN_ROW_BYTES, ROW_BYTES_PER_TOKEN * int(max_length))
+
+
+def _text_bytes(messages: list[dict[str, Any]]) -> int:
+    """At least the UTF-8 bytes of the messages' text (characters; cheap)."""
+    total = 0
+    for m in messages:
+        for v in m.values():
+            total += len(v) if isinstance(v, str) else len(str(v)) if v is not None else 0
+    return total
+
+
 def _tokenize_span(rows: list[Any], order: list[int], positions: Any,
-                   renderer: Renderer, max_length: int, overlong: str) -> dict[str, Any]:
+                   renderer: Renderer, max_length: int, overlong: str,
+                   max_bytes: int | None = None) -> dict[str, Any]:
     """The samples at `positions` of the order: arrays of the usable ones, a record of
     each skipped one (index, row, reason, detail)."""
     skips: list[tuple[int, int, int, str]] = []
     indices, lengths, truncated, flags, regen = [], [], [], [], []
     id_chunks, mask_chunks = [], []
+    bound = row_byte_bound(max_bytes, max_length)
+    sized = getattr(rows, "row_bytes", None)
     for index in positions:
         row_no = order[index]
         try:
+            if sized is not None and (size := sized(row_no)) > bound:
+                raise SkipRow("row_too_large", f"{size} bytes > dataset.max_row_bytes {bound}")
             row = rows[row_no]
-            ids, mask, notes = renderer.tokenize_with_notes(to_messages(row), generated_turns(row))
+            messages = to_messages(row)
+            if (size := _text_bytes(messages)) > bound:
+                raise SkipRow("row_too_large", f"{size} bytes of text > dataset.max_row_bytes "
+                              f"{bound}")
+            ids, mask, notes = renderer.tokenize_with_notes(messages, generated_turns(row))
             cut = len(ids) > max_length
             if cut:
                 if overlong == "skip":
@@ -240,9 +274,9 @@ def _forked_worker_init() -> None:
 
 
 def _forked_span(bounds: tuple[int, int]) -> dict[str, Any]:
-    rows, order, positions, renderer, max_length, overlong = _FORKED
+    rows, order, positions, renderer, max_length, overlong, max_bytes = _FORKED
     return _tokenize_span(rows, order, positions[bounds[0]:bounds[1]], renderer, max_length,
-                          overlong)
+                          overlong, max_bytes)
 
 
 def auto_num_proc(num_proc: int | None, num_rows: int) -> int:
@@ -299,7 +333,7 @@ def _in_workers(spans: list[tuple[int, int]], num_proc: int,
 def tokenize_rows(
     rows: list[Any], order: list[int], renderer: Renderer, max_length: int, overlong: str,
     num_proc: int = 1, shard: tuple[int, int] = (0, 1),
-    on_workers: Callable[[], None] | None = None,
+    on_workers: Callable[[], None] | None = None, max_row_bytes: int | None = None,
 ) -> Tokenized:
     """Tokenize the rows of shard `shard` (sample index % count == index) in seeded
     order; skip and count what cannot be used. Only the shard's rows are rendered and
@@ -321,7 +355,8 @@ def tokenize_rows(
     if num_proc <= 1 or n < 2 * num_proc:
         if on_workers is not None:
             on_workers()
-        parts = [_tokenize_span(rows, order, positions, renderer, max_length, overlong)]
+        parts = [_tokenize_span(rows, order, positions, renderer, max_length, overlong,
+                                max_row_bytes)]
     else:
         global _FORKED
         step = -(-n // (num_proc * 4))
@@ -330,7 +365,7 @@ def tokenize_rows(
         if beside:
             log.warning("forking %d tokenizer workers beside running threads %s: a worker "
                         "may hang on a lock one of them held", num_proc, beside)
-        _FORKED = (rows, order, positions, renderer, max_length, overlong)
+        _FORKED = (rows, order, positions, renderer, max_length, overlong, max_row_bytes)
         try:
             parts = _in_workers(spans, num_proc, on_workers)
         finally:
@@ -379,7 +414,7 @@ def build_dataset(ds: Any, tokenizer: Any, max_length: int,
     mine = len(range(shard[0], len(order), shard[1]))
     procs = auto_num_proc(getattr(ds, "num_proc", None), mine)
     data = tokenize_rows(rows, order, Renderer(tokenizer), max_length, str(ds.overlong), procs,
-                         shard, on_workers)
+                         shard, on_workers, ds.get("max_row_bytes"))
     if len(data) == 0 and mine:
         where = "" if shard[1] == 1 else f" (shard {shard[0]} of {shard[1]})"
         raise PreflightError(
