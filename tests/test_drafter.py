@@ -213,6 +213,55 @@ def test_preflight_errors_are_one_line_exit_2(trained, tmp_path):
         assert len(err) == 1 and text in err[0], (args, r.stderr[-2000:])
 
 
+def _rewrite_weights(path, change):
+    from safetensors.torch import load_file, save_file
+
+    w = load_file(str(path))
+    change(w)
+    save_file(w, str(path), metadata={"format": "pt"})
+
+
+DAMAGED_DRAFTERS = {  # what was done to a copy of the drafter -> the one line that says so
+    "weights_cut_short": (lambda d: (d / "model.safetensors").write_bytes(
+        (d / "model.safetensors").read_bytes()[:-999]), "the header says"),
+    "weights_header_not_json": (lambda d: (d / "model.safetensors").write_bytes(
+        (d / "model.safetensors").read_bytes()[:8] + b"{not json" +
+        (d / "model.safetensors").read_bytes()[17:]), "unreadable (JSONDecodeError"),
+    "tensor_missing": (lambda d: _rewrite_weights(d / "model.safetensors",
+                                                  lambda w: w.pop("norm.weight")),
+                       "no tensor norm.weight"),
+    "tensor_misshapen": (lambda d: _rewrite_weights(
+        d / "model.safetensors", lambda w: w.update({"lm_head.weight": w["lm_head.weight"][:7]})),
+        "lm_head.weight is [7,"),
+    "config_not_json": (lambda d: (d / "config.json").write_text('{"speculators_model_type": '),
+                        "config.json is not a config"),
+    "config_key_missing": (lambda d: (d / "config.json").write_text(json.dumps(
+        {k: v for k, v in json.loads((d / "config.json").read_text()).items()
+         if k != "draft_vocab_size"})), "KeyError 'draft_vocab_size'"),
+    "record_not_json": (lambda d: (d / "eagle3-train.json").write_text("{"),
+                        "eagle3-train.json is not a record"),
+}
+
+
+def test_a_damaged_drafter_is_one_line_before_the_target_loads(trained, tmp_path):
+    """A drafter cut short, with a non-JSON header or config, a tensor missing or of
+    another shape, or a broken record: eagle3-acceptance says which in one line, exit 2
+    (each was a traceback once the target had loaded)."""
+    import shutil
+
+    from eagle3_extract.drafter.acceptance import TRAIN_RECORD
+
+    assert TRAIN_RECORD == "eagle3-train.json"
+    for name, (damage, text) in DAMAGED_DRAFTERS.items():
+        d = tmp_path / name
+        shutil.copytree(trained / "d" / "drafter", d)
+        damage(d)
+        r = cli("acceptance", "model=tiny", f"drafter.dir={d}", f"output.dir={tmp_path / 'o'}",
+                check=False)
+        err = r.stderr.strip().splitlines()
+        assert r.returncode == 2 and len(err) == 1 and text in err[0], (name, r.stderr[-1500:])
+
+
 def test_control_layer_ids_read_aux_ids_as_layer_outputs():
     assert control_layer_ids([2, 15, 27, 30]) == ([3, 16, 28, 30], [2, 15, 27])
     with pytest.raises(SystemExit):
@@ -305,6 +354,16 @@ def test_a_rerun_resumes_from_the_last_epoch_checkpoint(trained):
     assert (out / "checkpoints" / "1").is_dir() and (out / "drafter" / "config.json").is_file()
     r = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, env=env)
     assert r.returncode == 0 and "not retrained" in r.stdout, r.stdout + r.stderr[-2000:]
+    last = out / "checkpoints" / "1" / "model.safetensors"  # cut short by a full disk
+    last.write_bytes(last.read_bytes()[: last.stat().st_size // 2])
+    shutil.rmtree(out / "drafter")
+    r = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, env=env)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "epoch checkpoint 1 is not whole" in r.stdout + r.stderr, r.stdout[-2000:]
+    from eagle3_extract.drafter.checkpoint import drafter_problem
+
+    assert drafter_problem(out / "checkpoints" / "1") is None
+    assert drafter_problem(out / "drafter", record="eagle3-train.json") is None
 
 
 def test_the_control_last_layer_is_hfs_post_norm_state(trained, tmp_path):

@@ -443,3 +443,36 @@ def test_an_edited_count_in_the_tokenized_set_is_not_reused(tmp_path, monkeypatc
     meta_path.write_text(json.dumps(meta))
     assert tc.load("k" * 24) is None
     assert "damaged" in caplog.text and "counts" in caplog.text
+
+
+@pytest.mark.parametrize("damage", ["cut_short", "header_not_json", "tokenizer_too_big"])
+def test_a_bad_checkpoint_or_tokenizer_is_one_line_before_any_engine(tmp_path, damage):
+    """A model.safetensors cut short or with a header that is not JSON (vLLM: 'WorkerProc
+    initialization failed'; HF: SafetensorError), or a tokenizer with ids past the model's
+    vocab_size (IndexError in the first forward pass): one line, exit 2, in preflight."""
+    import shutil
+    import time
+
+    from eagle3_extract.models.tiny import build_tiny_model
+
+    model = tmp_path / "model"
+    shutil.copytree(build_tiny_model("llama"), model)
+    st, cfg_path = model / "model.safetensors", model / "config.json"
+    if damage == "cut_short":
+        st.write_bytes(st.read_bytes()[:-4096])
+        text = "the header says"
+    elif damage == "header_not_json":
+        data = bytearray(st.read_bytes())
+        data[8:24] = b"this is not JSON"
+        st.write_bytes(bytes(data))
+        text = "unreadable (JSONDecodeError"
+    else:
+        cfg = json.loads(cfg_path.read_text())
+        cfg["vocab_size"] = 512  # the tokenizer has 1000
+        cfg_path.write_text(json.dumps(cfg))
+        text = "has 1000 tokens, the model's vocab_size is 512"
+    t0 = time.monotonic()
+    r = run_cli(*HF, f"model.path={model}", f"output.dir={tmp_path / 'out'}")
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1 and text in lines[0], r.stderr[-2000:]
+    assert time.monotonic() - t0 < 60 and not (tmp_path / "out" / "data").exists()

@@ -391,16 +391,24 @@ def tokenize_rows(
     return data
 
 
-def load_tokenizer(path: str, trust_remote_code: bool) -> Any:
+def load_tokenizer(path: str, trust_remote_code: bool, model_vocab: int | None = None) -> Any:
+    """The tokenizer; with `model_vocab` (the model's vocab_size), one whose ids run past
+    the model's embedding is refused here, not an IndexError in the first forward pass."""
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+        tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     except Exception as e:  # noqa: BLE001
         raise PreflightError(
             f"tokenizer {path!r} could not be loaded ({type(e).__name__}: {e}); set "
             "model.tokenizer (or model.path) to a directory or hub id with a tokenizer"
         ) from e
+    if model_vocab and len(tok) > int(model_vocab):
+        raise PreflightError(
+            f"tokenizer {path!r} has {len(tok)} tokens, the model's vocab_size is "
+            f"{model_vocab}: ids past {int(model_vocab) - 1} have no embedding; set "
+            "model.tokenizer to the model's own tokenizer")
+    return tok
 
 
 def build_dataset(ds: Any, tokenizer: Any, max_length: int,

@@ -357,19 +357,22 @@ def preflight(cfg: Any) -> Plan:
     from eagle3_extract.engine import inspect_model
     from eagle3_extract.manifest import file_sha256
 
+    from eagle3_extract.drafter.checkpoint import drafter_problem
+
     validate_acceptance(cfg)
     drafter = Path(str(cfg.drafter.dir)).expanduser().resolve()
     if not (drafter / "config.json").is_file() or not (drafter / "model.safetensors").is_file():
         raise PreflightError(f"drafter.dir={str(drafter)!r} has no config.json and "
                              "model.safetensors (give eagle3-train's output.dir/drafter)")
-    dcfg = json.loads((drafter / "config.json").read_text())
-    if dcfg.get("speculators_model_type") != "eagle3":
-        raise PreflightError(f"drafter.dir: not a speculators EAGLE-3 drafter "
-                             f"(speculators_model_type={dcfg.get('speculators_model_type')!r})")
     try:
         info = inspect_model(cfg.model)
     except (ValueError, OSError) as e:
         raise PreflightError(f"model.path={str(cfg.model.path)!r}: {e}") from e
+    problem = drafter_problem(drafter, record=TRAIN_RECORD)
+    if problem:
+        raise PreflightError(f"drafter.dir: {problem}; give a whole drafter (rerun "
+                             "eagle3-train into a new output.dir, or copy it again)")
+    dcfg = json.loads((drafter / "config.json").read_text())
     aux = [int(i) for i in dcfg.get("eagle_aux_hidden_state_layer_ids") or []]
     if len(aux) != 3 or not all(0 <= i < info.num_layers for i in aux):
         raise PreflightError(f"drafter.dir: aux layer ids {aux} are not 3 ids in "
@@ -383,6 +386,10 @@ def preflight(cfg: Any) -> Plan:
             raise PreflightError(f"model.path={str(cfg.model.path)!r} is not the model the "
                                  "drafter was trained for (config.json sha256 differs from "
                                  f"{TRAIN_RECORD}); set model= to that model")
+    problem = drafter_problem(drafter, info.hidden_size)  # its fc takes this target's states
+    if problem:
+        raise PreflightError(f"drafter.dir: {problem}: a drafter of another target (hidden "
+                             f"size {info.hidden_size}); set model= to its target")
     if str(cfg.engine.name) == "vllm":
         from vllm.platforms import current_platform
 
@@ -392,7 +399,8 @@ def preflight(cfg: Any) -> Plan:
         from eagle3_extract.engine.vllm import check_vllm_args
 
         check_vllm_args(cfg, fixed={})
-    tokenizer = load_tokenizer(info.tokenizer_path, bool(cfg.model.trust_remote_code))
+    tokenizer = load_tokenizer(info.tokenizer_path, bool(cfg.model.trust_remote_code),
+                               info.vocab_size)
     prompts = _prompts(cfg, tokenizer)
     limit = int(cfg.model.max_model_len)
     longest = max(len(p) for p in prompts) + int(cfg.acceptance.max_tokens) + \

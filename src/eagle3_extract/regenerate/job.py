@@ -176,7 +176,8 @@ def preflight(cfg: Any) -> Plan:
         raise PreflightError(
             f"model.max_model_len={cfg.model.max_model_len} is above the model's limit of "
             f"{info.max_positions} tokens; set model.max_model_len <= {info.max_positions}")
-    tokenizer = load_tokenizer(info.tokenizer_path, bool(cfg.model.trust_remote_code))
+    tokenizer = load_tokenizer(info.tokenizer_path, bool(cfg.model.trust_remote_code),
+                               info.vocab_size)
     Renderer(tokenizer)  # raises if there is no chat template
     make_reasoning_parser(cfg.model.reasoning_parser, tokenizer)  # a wrong name fails here
     ident = identity(cfg, info, chat_template_sha256(tokenizer), vocab_sha256(tokenizer))
