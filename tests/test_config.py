@@ -142,3 +142,31 @@ def test_kimi_k25_chat_is_the_headline_job():
     assert (c.layers.name, c.layers.ids) == ("eagle3", None)  # default EAGLE-3 layers
     assert c.dataset.max_length == c.model.max_model_len - 1
     assert c.engine.token_budget >= c.dataset.max_length
+
+
+def test_a_sweep_runs_every_job_it_can_and_lists_the_failed(tmp_path):
+    """`-m` over three values: a wrong layer id (the job's one line, exit 2) and a value
+    of the wrong type (Hydra's composition) fail alone; the others run; the failed jobs
+    are listed one line each at the end and the sweep exits non-zero."""
+    import subprocess
+
+    from test_job import BIN, COMMON, env
+
+    r = subprocess.run([str(BIN), "-m", "engine=hf", *COMMON, f"hydra.sweep.dir={tmp_path}/m",
+                        "layers.ids=[2,4,8],[2,4,99],[1,2,3]",
+                        f"output.dir={tmp_path}/out-${{layers.name}}"],
+                       env=env(), capture_output=True, text=True, timeout=600)
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert r.stdout.count("done: ") == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    tail = r.stderr.strip().splitlines()[-2:]
+    assert tail[0].endswith("1 of 3 sweep jobs failed:") and "layers.ids=[2,4,99]" in tail[1]
+    assert "out of range" in tail[1], tail
+    r = subprocess.run([str(BIN), "-m", "engine=hf", *COMMON[1:], f"hydra.sweep.dir={tmp_path}/n",
+                        "dataset.max_samples=2,abc,3",
+                        f"output.dir={tmp_path}/n-${{dataset.max_samples}}"],
+                       env=env(), capture_output=True, text=True, timeout=600)
+    assert r.returncode == 2 and r.stdout.count("done: ") == 2, r.stderr[-3000:]
+    lines = [x for x in r.stderr.strip().splitlines() if "extract:" not in x or "sweep" in x]
+    assert lines[-2].endswith("1 of 3 sweep jobs failed:"), lines
+    assert "dataset.max_samples=abc" in lines[-1] and "could not be converted" in lines[-1]
+    assert "Traceback" not in r.stderr

@@ -35,10 +35,47 @@ def log_to_file(message: str) -> None:
             handler.handle(record)
 
 
+class SweepJobFailed(Exception):
+    """A job of a `-m` sweep that failed, its one line already printed: raised where a
+    single run exits, so that the sweep goes on (hydra_plugins/eagle3_sweeper)."""
+
+    def __init__(self, line: str, exit_code: int):
+        super().__init__(line, exit_code)
+        self.line, self.exit_code = line, exit_code
+
+
+def _in_sweep() -> bool:
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
+
+
 def run_guarded(prog: str, fn: Any, cfg: DictConfig, interrupted: str) -> None:
     """Run a job's `fn(cfg)` with the exits every command of ours shares: a preflight or
     config error is one line and exit 2, a signal 128 + its number, a JobError its own code.
-    A watcher removes the shared memory the job's processes leave if they are SIGKILLed."""
+    In a `-m` sweep the same line is printed and SweepJobFailed raised instead of exiting,
+    so that the sweep runs its other jobs. A watcher removes the shared memory the job's
+    processes leave if they are SIGKILLed."""
+    _LAST_LINE.pop(prog, None)
+    try:
+        _run_guarded(prog, fn, cfg, interrupted)
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 1
+        if code and code < 128 and _in_sweep():  # a signal still ends the whole sweep
+            raise SweepJobFailed(_LAST_LINE.get(prog, f"exit status {code}"), code) from None
+        raise
+
+
+_LAST_LINE: dict[str, str] = {}
+
+
+def _say(prog: str, line: str) -> None:
+    _LAST_LINE[prog] = line
+    print(f"{prog}: {line}", file=sys.stderr, flush=True)
+
+
+def _run_guarded(prog: str, fn: Any, cfg: DictConfig, interrupted: str) -> None:
     from eagle3_extract import shm_watch
 
     quiet_engine_logs(bool(cfg.verbose))
@@ -47,7 +84,7 @@ def run_guarded(prog: str, fn: Any, cfg: DictConfig, interrupted: str) -> None:
         fn(cfg)
     except PreflightError as e:
         log_to_file(f"preflight: {e}")
-        print(f"{prog}: error: {e}", file=sys.stderr, flush=True)
+        _say(prog, f"error: {e}")
         sys.exit(2)
     except (KeyboardInterrupt, Interrupted) as e:  # before the job's own handling began
         signum = getattr(e, "signum", signal.SIGINT)
@@ -56,13 +93,13 @@ def run_guarded(prog: str, fn: Any, cfg: DictConfig, interrupted: str) -> None:
         sys.exit(128 + signum)
     except JobError as e:
         log_to_file(str(e))
-        print(f"{prog}: {e}", file=sys.stderr, flush=True)
+        _say(prog, str(e))
         sys.exit(e.exit_code)
     except PermissionError as e:  # the environment, not the code: the path, in one line
         msg = (f"{e.filename or '?'}: permission denied ({e.strerror or e}); fix its "
                "permissions or choose another path")
         log_to_file(msg)
-        print(f"{prog}: error: {msg}", file=sys.stderr, flush=True)
+        _say(prog, f"error: {msg}")
         sys.exit(2)
 
 
@@ -89,14 +126,15 @@ def overrides_of(argv: list[str]) -> list[str] | None:
 
 
 def config_problem(overrides: list[str], config_name: str = "config",
-                   prog: str = "eagle3-extract") -> str | None:
+                   prog: str = "eagle3-extract", skip_sweeps: bool = False) -> str | None:
     """What is wrong with the overrides, in one line, or None.
 
     Composes the config once as Hydra will (a sweep with its first value of each
     swept key) so that a misspelt key or a wrong type is reported in one line with
     exit 2, not in Hydra's multi-line text; and refuses `+key=...` additions of keys
     the schema does not have (Hydra adds them silently), except under the free-form
-    `engine.vllm_args` and `hydra`.
+    `engine.vllm_args` and `hydra`. `skip_sweeps`: a `-m` run leaves the swept keys to
+    the sweeper, which fails only the jobs whose value is wrong.
     """
     from hydra import compose, initialize_config_dir
     from hydra.core.override_parser.overrides_parser import OverridesParser
@@ -111,7 +149,7 @@ def config_problem(overrides: list[str], config_name: str = "config",
     first, added = [], []
     for o in parsed:
         key = o.key_or_group
-        if key == "hydra" or key.startswith("hydra."):
+        if key == "hydra" or key.startswith("hydra.") or (skip_sweeps and o.is_sweep_override()):
             continue
         prefix = {"ADD": "+", "FORCE_ADD": "++", "DEL": "~"}.get(o.type.name, "")
         try:
@@ -170,7 +208,8 @@ def hydra_main(config_name: str, prog: str, task: Any) -> None:
 
     overrides = overrides_of(sys.argv[1:])
     if overrides is not None:
-        problem = config_problem(overrides, config_name, prog)
+        sweep = any(a in ("-m", "--multirun") for a in sys.argv[1:])
+        problem = config_problem(overrides, config_name, prog, skip_sweeps=sweep)
         if problem:
             print(f"{prog}: error: {problem}", file=sys.stderr, flush=True)
             sys.exit(2)

@@ -1,0 +1,1 @@
+"""Our Hydra plugins (Hydra finds plugins only under the hydra_plugins namespace)."""
