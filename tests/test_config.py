@@ -170,3 +170,35 @@ def test_a_sweep_runs_every_job_it_can_and_lists_the_failed(tmp_path):
     assert lines[-2].endswith("1 of 3 sweep jobs failed:"), lines
     assert "dataset.max_samples=abc" in lines[-1] and "could not be converted" in lines[-1]
     assert "Traceback" not in r.stderr
+
+
+def test_the_trainers_python_resolves_from_the_project_not_the_cwd(tmp_path, monkeypatch):
+    import shutil
+
+    from eagle3_extract.config import project_dir
+    from eagle3_extract.drafter.train import trainer_python
+
+    monkeypatch.chdir(tmp_path)
+    assert trainer_python(".venv-train/bin/python") == str(project_dir() / ".venv-train/bin/python")
+    assert (project_dir() / "conf" / "train.yaml").is_file()
+    assert trainer_python("/opt/venv-train/bin/python") == "/opt/venv-train/bin/python"
+    assert trainer_python("python3") == shutil.which("python3")
+
+
+@pytest.mark.parametrize("prog,config", [("eagle3-extract", "config"),
+                                         ("eagle3-regenerate", "regenerate"),
+                                         ("eagle3-train", "train"),
+                                         ("eagle3-acceptance", "acceptance")])
+def test_every_group_option_a_help_text_names_exists(prog, config):
+    """`--help` examples name config options: each `group=option` there must exist
+    (eagle3-train's named train=smoke, which does not)."""
+    import re
+
+    from omegaconf import OmegaConf
+
+    text = OmegaConf.to_yaml(OmegaConf.load(conf_dir() / f"{config}.yaml")["hydra"]["help"])
+    named = set(re.findall(r"(?<![\w.])([a-z_]+)=([A-Za-z0-9_]+)\b", text))
+    groups = [(g, o) for g, o in named if (conf_dir() / g).is_dir()]
+    assert groups, text
+    for group, option in groups:
+        assert (conf_dir() / group / f"{option}.yaml").is_file(), f"{prog} --help: {group}={option}"

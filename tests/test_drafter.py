@@ -426,3 +426,14 @@ def test_muon_runs_newton_schulz_in_float32_where_the_cpu_lacks_bf16_gemms():
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.split()[0] == ("kept" if "bf16-native" in r.stdout else "swapped")
+
+
+def test_train_runs_from_any_directory(trained, tmp_path):
+    """train.python's default (.venv-train/bin/python) is the project's, not the cwd's."""
+    import os
+
+    r = subprocess.run([sys.executable, "-m", MODULES["train"], f"data.dir={trained / 'x'}",
+                        "train=small", "dry_run=true", f"output.dir={tmp_path / 'o'}"],
+                       capture_output=True, text=True, cwd=tmp_path,
+                       env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert r.returncode == 0 and "dry run: preflight ok" in r.stdout, r.stderr[-2000:]

@@ -305,3 +305,17 @@ def test_float16_for_a_bfloat16_checkpoint_fails_in_preflight(tmp_path, offline)
     with pytest.raises(PreflightError, match=r"model\.dtype=float16 for a bfloat16 checkpoint"):
         preflight(compose_cfg(*HF, "model.dtype=float16", f"output.dir={tmp_path}/out"))
     preflight(compose_cfg(*HF, "model.dtype=float32", f"output.dir={tmp_path}/ok")).close()
+
+
+@pytest.mark.parametrize("cmd", [["eagle3-status"], ["eagle3-validate", "--no-report"]])
+def test_output_into_a_closed_pipe_is_no_traceback(done_run, cmd):
+    """`eagle3-status DIR | head -1`: the reader is gone before the writer is done."""
+    r_fd, w_fd = os.pipe()
+    os.close(r_fd)  # the reader is gone: every write fails with EPIPE
+    try:
+        r = subprocess.run([str(BIN / cmd[0]), str(done_run), *cmd[1:]], stdout=w_fd,
+                           stderr=subprocess.PIPE, text=True, timeout=300)
+    finally:
+        os.close(w_fd)
+    assert "Traceback" not in r.stderr and "BrokenPipe" not in r.stderr, r.stderr[-2000:]
+    assert r.returncode == 141

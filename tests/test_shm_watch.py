@@ -140,3 +140,21 @@ def test_remove_unused_keeps_what_a_process_maps_and_unlinks_the_rest(tmp_path):
     finally:
         holder.kill()
         path.unlink(missing_ok=True)
+
+
+def test_a_watcher_that_cannot_start_is_a_warning_not_the_jobs_end(tmp_path, monkeypatch,
+                                                                   caplog):
+    """An interpreter this user may not execute again (another user's, a relative path
+    from a directory since changed): the job runs on, without the safety net, and says so."""
+    import sys
+
+    from eagle3_extract import shm_watch
+
+    fake = tmp_path / "python"
+    fake.write_text("#!/bin/sh\n")
+    fake.chmod(0o644)  # not executable: PermissionError from exec
+    monkeypatch.setattr(sys, "executable", str(fake))
+    monkeypatch.setattr(shm_watch, "_WATCHED", {})
+    with caplog.at_level("WARNING"):
+        assert shm_watch.start() is None
+    assert "no /dev/shm watcher (PermissionError" in caplog.text

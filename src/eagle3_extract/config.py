@@ -211,6 +211,8 @@ class TrainSettings:
     # extraction's, the only right value. Set only to reproduce a convention mistake.
     served_layer_ids: Optional[List[int]] = None
     device: str = "auto"  # auto | cpu | cuda (cpu: the fused loss and flex attention off)
+    # the trainer's interpreter: absolute, a name on PATH, or a path relative to the
+    # project (where conf/ and .venv-train are), whatever the current directory
     python: str = "${oc.env:EAGLE3_TRAIN_PYTHON,.venv-train/bin/python}"
     extra_args: List[str] = field(default_factory=list)  # more `speculators train` flags
 
@@ -253,6 +255,11 @@ class AcceptanceConfig:
     output: OutputDirConfig = field(default_factory=OutputDirConfig)
     dry_run: bool = False
     verbose: bool = False
+
+
+def project_dir() -> Path:
+    """The project's root: src/, conf/ and the make-built environments (.venv-train)."""
+    return Path(__file__).resolve().parents[2]
 
 
 def conf_dir() -> Path:

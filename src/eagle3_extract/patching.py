@@ -29,6 +29,7 @@ import tempfile
 from datetime import datetime, timezone
 from pathlib import Path
 
+from eagle3_extract.errors import quiet_on_broken_pipe
 from eagle3_extract.cpu_build import NAMES as CPU_BUILDS
 from eagle3_extract.layout import atomic_write
 
@@ -212,6 +213,7 @@ def check(target: Path, patches: Path) -> str:
     return f"ok: {len(series)} patches applied and intact in {target}"
 
 
+@quiet_on_broken_pipe
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="eagle3-patches", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)

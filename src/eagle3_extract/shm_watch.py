@@ -46,10 +46,18 @@ def start(pid: int | None = None) -> subprocess.Popen | None:
     pid = os.getpid() if pid is None else pid
     if pid in _WATCHED and _WATCHED[pid].poll() is None:
         return _WATCHED[pid]
-    _WATCHED[pid] = subprocess.Popen(
-        [sys.executable, "-m", MODULE, str(pid), str(_start_time(pid))],
-        start_new_session=True, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL, close_fds=True)
+    try:  # the interpreter by its absolute path: the job may change its directory
+        _WATCHED[pid] = subprocess.Popen(
+            [os.path.abspath(sys.executable), "-m", MODULE, str(pid), str(_start_time(pid))],
+            start_new_session=True, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL, close_fds=True)
+    except OSError as e:  # the watcher is a safety net, never a reason for the job to fail
+        import logging
+
+        logging.getLogger("eagle3_extract").warning(
+            "no /dev/shm watcher (%s: %s): shared memory a SIGKILLed job leaves is not "
+            "removed", type(e).__name__, e.strerror or e)
+        return None
     return _WATCHED[pid]
 
 

@@ -29,6 +29,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from eagle3_extract.errors import quiet_on_broken_pipe
 from eagle3_extract.layout import links, verified_files
 from eagle3_extract.lock import process_alive
 from eagle3_extract.manifest import (Manifest, merge_message, missing_merge, mixed_runs_message,
@@ -236,6 +237,7 @@ def format_report(r: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+@quiet_on_broken_pipe
 def main(argv: list[str] | None = None) -> int:
     """Console script `eagle3-status DIR [--json] [--stale-after S]`."""
     ap = argparse.ArgumentParser(

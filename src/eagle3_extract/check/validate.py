@@ -39,6 +39,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from eagle3_extract.errors import quiet_on_broken_pipe
 from eagle3_extract.layout import (
     DATA_DIR,
     EXTENSIONS,
@@ -701,6 +702,7 @@ def write_report(root: Path, name: str, report: dict[str, Any]) -> Path | None:
         return None
 
 
+@quiet_on_broken_pipe
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         prog="eagle3-validate",

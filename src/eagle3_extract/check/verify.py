@@ -42,6 +42,7 @@ from typing import Any, Protocol
 
 import torch
 
+from eagle3_extract.errors import quiet_on_broken_pipe
 from eagle3_extract.models import config as model_config
 from eagle3_extract.layout import Storage
 from eagle3_extract.manifest import Manifest
@@ -652,6 +653,7 @@ def print_report(report: dict[str, Any], out=None, limit: int = 40) -> None:
         print_items(kind, [str(f) for f in report[kind]], limit, out)
 
 
+@quiet_on_broken_pipe
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         prog="eagle3-verify",

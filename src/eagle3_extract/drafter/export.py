@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from eagle3_extract.errors import quiet_on_broken_pipe
 from eagle3_extract.check.run_dir import DamagedSample, complete_run, missing_samples, read_checked
 from eagle3_extract.drafter import export_formats as formats
 from eagle3_extract.drafter.export_formats import FORMATS, POST_NORM, FormatError
@@ -408,6 +409,7 @@ def export_problem(out: Path) -> str | None:
     return None
 
 
+@quiet_on_broken_pipe
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="eagle3-export", description=__doc__.splitlines()[0])
     ap.add_argument("dir", type=Path, help="an extraction's output.dir")

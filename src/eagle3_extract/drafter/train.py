@@ -76,6 +76,20 @@ class Plan:
     trainer_versions: dict[str, str]
     identity: dict[str, Any]
     lock: ShardLock | None = None
+    python: str = ""  # train.python, resolved (trainer_python)
+
+
+def trainer_python(value: str) -> str:
+    """train.python as a path: absolute as given, a bare name from PATH, any other path
+    from the project's root (not the current directory: eagle3-train runs from anywhere)."""
+    from eagle3_extract.config import project_dir
+
+    path = Path(value).expanduser()
+    if path.is_absolute():
+        return str(path)
+    if len(path.parts) == 1:
+        return shutil.which(value) or value
+    return str(project_dir() / path)
 
 
 def _trainer_versions(python: str) -> dict[str, str]:
@@ -144,7 +158,8 @@ def preflight(cfg: Any) -> Plan:
         log.warning("train.served_layer_ids=%s differ from the extracted ids %s: the drafter "
                     "will be served other features than it is trained on", served, aux)
     verifier = _verifier_dir(m)
-    versions = _trainer_versions(str(cfg.train.python))
+    python = trainer_python(str(cfg.train.python))
+    versions = _trainer_versions(python)
     device = str(cfg.train.device)
     if device == "auto":
         device = "cuda" if versions["accelerator"] else "cpu"
@@ -168,7 +183,8 @@ def preflight(cfg: Any) -> Plan:
     out.mkdir(parents=True, exist_ok=True)
     if not os.access(out, os.W_OK):
         raise ConfigError(f"output.dir={str(out)!r} is not writable")
-    plan = Plan(cfg, data, out, m, layer_ids, served, verifier, device, versions, identity)
+    plan = Plan(cfg, data, out, m, layer_ids, served, verifier, device, versions, identity,
+                python=python)
     plan.lock = ShardLock.acquire(out, (0, 1))
     try:
         check_run_json(out, identity)  # another run's drafter there: refused, one line
@@ -262,7 +278,7 @@ def _run_trainer(plan: Plan, args: list[str]) -> None:
     logf = plan.out / "train.log"
     # -P: the launcher's own dir (this package, whose types.py would shadow the stdlib's)
     # stays off sys.path
-    cmd = [str(plan.cfg.train.python), "-P", str(launcher), *args]
+    cmd = [plan.python or trainer_python(str(plan.cfg.train.python)), "-P", str(launcher), *args]
     env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
     env.pop("PYTHONPATH", None)  # nothing of the vLLM environment leaks into the trainer's
     verbose = bool(plan.cfg.verbose)
