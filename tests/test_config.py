@@ -202,3 +202,19 @@ def test_every_group_option_a_help_text_names_exists(prog, config):
     assert groups, text
     for group, option in groups:
         assert (conf_dir() / group / f"{option}.yaml").is_file(), f"{prog} --help: {group}={option}"
+
+
+def test_every_command_shares_one_hydra_config():
+    """Run dir, sweep dirs, chdir and the sweeper are conf/hydra/eagle3.yaml's; a root
+    config holds only its own help text and job name."""
+    for name in ("config", "regenerate", "train", "acceptance"):
+        root = OmegaConf.load(conf_dir() / f"{name}.yaml")
+        assert {"hydra": "eagle3"} in [OmegaConf.to_container(d) if OmegaConf.is_config(d)
+                                       else d for d in root.defaults], name
+        assert set(root.hydra) <= {"help", "job"} and set(root.hydra.job) == {"name"}, name
+        with initialize_config_dir(str(conf_dir()), version_base="1.3"):
+            h = compose(name, overrides={"train": ["data.dir=/x"],
+                                         "acceptance": ["drafter.dir=/y"]}.get(name, []),
+                        return_hydra_config=True).hydra
+        assert h.sweeper._target_.endswith("KeepGoingSweeper") and h.job.chdir is False
+        assert OmegaConf.to_container(h.run)["dir"].startswith("${eagle3.logdir:${output.dir}}")

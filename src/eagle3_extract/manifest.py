@@ -172,8 +172,9 @@ def dataset_identity(ds: Any, max_length: int) -> dict[str, Any]:
         "max_length": int(max_length),
         "overlong": str(ds.overlong),
     }
-    if ds.get("max_row_bytes") is not None:  # the default follows max_length: run ids stay
-        ident["max_row_bytes"] = int(ds.max_row_bytes)
+    row_bytes = getattr(ds, "max_row_bytes", None)
+    if row_bytes is not None:  # the default follows max_length: earlier run ids stay
+        ident["max_row_bytes"] = int(row_bytes)
     return ident
 
 

@@ -406,7 +406,7 @@ def dataset_check(cfg: Any, info: Any, samples: dict[int, Sample]) -> dict[str, 
             fails.append(f"sample {index}: beyond the dataset's {len(order)} selected rows")
             continue
         t = tokenize_rows(rows, [order[index]], renderer, max_length(cfg), str(ds.overlong),
-                          max_row_bytes=ds.get("max_row_bytes"))
+                          max_row_bytes=getattr(ds, "max_row_bytes", None))
         if len(t) != 1:
             fails.append(f"sample {index}: the dataset row is now skipped ({t.report['skipped']})")
             continue

@@ -316,7 +316,9 @@ def _in_workers(spans: list[tuple[int, int]], num_proc: int,
     except BrokenProcessPool:
         for proc in procs:
             proc.join(1.0)  # the dead one's status is there at once
-        codes = sorted((p.exitcode for p in procs if p.exitcode), key=lambda c: c >= 0)
+        # the cause first: a signal other than the SIGTERM the pool then sends the others
+        codes = sorted((p.exitcode for p in procs if p.exitcode),
+                       key=lambda c: (c >= 0, c == -15))
         how = (f"killed by {__import__('signal').Signals(-codes[0]).name}"
                if codes and codes[0] < 0 else f"exit status {codes[0]}" if codes else "died")
         raise JobError(f"a tokenizer worker {how} (the OOM killer, or a signal sent to it); "
@@ -422,7 +424,7 @@ def build_dataset(ds: Any, tokenizer: Any, max_length: int,
     mine = len(range(shard[0], len(order), shard[1]))
     procs = auto_num_proc(getattr(ds, "num_proc", None), mine)
     data = tokenize_rows(rows, order, Renderer(tokenizer), max_length, str(ds.overlong), procs,
-                         shard, on_workers, ds.get("max_row_bytes"))
+                         shard, on_workers, getattr(ds, "max_row_bytes", None))
     if len(data) == 0 and mine:
         where = "" if shard[1] == 1 else f" (shard {shard[0]} of {shard[1]})"
         raise PreflightError(

@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from eagle3_extract.drafter.checkpoint import CONFIG, WEIGHTS, drafter_problem
 from eagle3_extract.drafter.chart import acceptance_chart, report_series
 from eagle3_extract.config import validate_acceptance
 from eagle3_extract.errors import JobError, PreflightError
@@ -63,7 +64,7 @@ class Drafter:
                  dtype: torch.dtype):
         from safetensors.torch import load_file
 
-        cfg = json.loads((path / "config.json").read_text())
+        cfg = json.loads((path / CONFIG).read_text())
         tl = cfg["transformer_layer_config"]
         self.aux_ids = [int(i) for i in cfg["eagle_aux_hidden_state_layer_ids"]]
         self.hidden = int(tl["hidden_size"])
@@ -82,7 +83,7 @@ class Drafter:
         if rope.get("rope_type", "default") != "default" or tl.get("rope_scaling"):
             raise PreflightError(f"{path}: rope {rope} is not implemented by the hf loop; "
                                  "measure with engine=vllm")
-        w = {k: v.to(device) for k, v in load_file(str(path / "model.safetensors")).items()}
+        w = {k: v.to(device) for k, v in load_file(str(path / WEIGHTS)).items()}
         self.w = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in w.items()}
         self.embed = self.w.get("embed_tokens.weight", target_embed.to(dtype))
         d2t = self.w.get("d2t")
@@ -319,8 +320,8 @@ def run_identity(cfg: Any, info: Any, drafter: Path) -> dict[str, Any]:
         "kind": PROG,
         "model": {"config_sha256": file_sha256(Path(info.path) / "config.json"),
                   "max_model_len": int(cfg.model.max_model_len)},
-        "drafter": {"model_sha256": file_sha256(drafter / "model.safetensors"),
-                    "config_sha256": file_sha256(drafter / "config.json")},
+        "drafter": {"model_sha256": file_sha256(drafter / WEIGHTS),
+                    "config_sha256": file_sha256(drafter / CONFIG)},
         "dataset": plain(cfg.dataset), "acceptance": measure, "engine": plain(cfg.engine)})
 
 
@@ -357,11 +358,9 @@ def preflight(cfg: Any) -> Plan:
     from eagle3_extract.engine import inspect_model
     from eagle3_extract.manifest import file_sha256
 
-    from eagle3_extract.drafter.checkpoint import drafter_problem
-
     validate_acceptance(cfg)
     drafter = Path(str(cfg.drafter.dir)).expanduser().resolve()
-    if not (drafter / "config.json").is_file() or not (drafter / "model.safetensors").is_file():
+    if not (drafter / CONFIG).is_file() or not (drafter / WEIGHTS).is_file():
         raise PreflightError(f"drafter.dir={str(drafter)!r} has no config.json and "
                              "model.safetensors (give eagle3-train's output.dir/drafter)")
     try:
@@ -372,7 +371,7 @@ def preflight(cfg: Any) -> Plan:
     if problem:
         raise PreflightError(f"drafter.dir: {problem}; give a whole drafter (rerun "
                              "eagle3-train into a new output.dir, or copy it again)")
-    dcfg = json.loads((drafter / "config.json").read_text())
+    dcfg = json.loads((drafter / CONFIG).read_text())
     aux = [int(i) for i in dcfg.get("eagle_aux_hidden_state_layer_ids") or []]
     if len(aux) != 3 or not all(0 <= i < info.num_layers for i in aux):
         raise PreflightError(f"drafter.dir: aux layer ids {aux} are not 3 ids in "

@@ -39,7 +39,7 @@ from eagle3_extract.drafter import export_formats as formats
 from eagle3_extract.drafter.export_formats import FORMATS, POST_NORM, FormatError
 from eagle3_extract.extract.writer import save_safetensors
 from eagle3_extract.layout import (EXPORT_JSON, SCALES_KEY, STATES_KEY, VOCAB_DIR, Storage,
-                                   atomic_write, links, remove_temps, verified_files)
+                                   atomic_write, links, remove_temps, temp_path, verified_files)
 from eagle3_extract.lock import _try_flock
 from eagle3_extract.manifest import file_sha256, write_json_atomic
 from eagle3_extract.quant import states_of, states_tensor
@@ -137,7 +137,7 @@ def _final_norm(man: Any, model: str | None):
 
 
 def _is_temp(name: str) -> bool:
-    """A file a killed writer of ours left (atomic_write's and the rows' `.NAME.tmp-TAG`)."""
+    """What a killed writer of ours left: layout's temp names (`.NAME.tmp-TAG`)."""
     return name.startswith(".") and ".tmp-" in name
 
 
@@ -176,9 +176,14 @@ def _owned_partial(part: Path, out: Path) -> Iterator[None]:
 
 
 def _remove_row_temps(part: Path) -> int:
-    """The temps a killed export left under `part`: none may reach OUT."""
+    """The temps a killed export left under `part` (files, and the Arrow index's temp
+    directory): none may reach OUT."""
     removed = 0
-    for dirpath, _, names in os.walk(part):
+    for dirpath, dirnames, names in os.walk(part):
+        for name in [d for d in dirnames if _is_temp(d)]:
+            shutil.rmtree(os.path.join(dirpath, name))
+            dirnames.remove(name)
+            removed += 1
         for name in names:
             if _is_temp(name):
                 os.unlink(os.path.join(dirpath, name))
@@ -311,7 +316,7 @@ def _write_speculators_row(path: Path, tensors: dict, ids: torch.Tensor, index: 
     states = states_tensor(tensors[STATES_KEY])
     extra = {SCALES_KEY: tensors[SCALES_KEY]} if fp8 else {}
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp = temp_path(path)
     save_safetensors({"token_ids": ids, STATES_KEY: states.contiguous(), **extra}, tmp,
                      metadata={"sample_index": str(index), "layer_ids": json.dumps(layer_ids)})
     with open(tmp, "rb+") as f:
@@ -345,8 +350,8 @@ def _finish(root: Path, out: Path, part: Path, fmt: str, man: Any, rows: dict[in
             cols["loss_mask"].append(_unspans(r["mask"], r["tokens"]))
             cols["seq_len"].append(r["tokens"])
             cols["sample_index"].append(r["index"])
-        arrow = part / ".arrow.tmp"
-        shutil.rmtree(arrow, ignore_errors=True)
+        _remove_row_temps(part)
+        arrow = temp_path(part / "arrow")
         ds = datasets.Dataset.from_dict(cols)
         ds.set_format("torch")
         ds.save_to_disk(str(arrow))

@@ -38,6 +38,7 @@ import numpy as np
 
 from eagle3_extract.config import ConfigError, validate_train
 from eagle3_extract.errors import JobError, PreflightError
+from eagle3_extract.drafter.checkpoint import CONFIG, WEIGHTS
 from eagle3_extract.drafter.export import ExportError, export, export_problem
 from eagle3_extract.layout import (D2T_NPY, EXPORT_JSON, T2D_NPY, TOKEN_FREQ_JSON, TRAIN_JSON, VOCAB_DIR,
                      atomic_write, remove_temps, temp_path)
@@ -342,7 +343,7 @@ def _last_checkpoint(plan: Plan) -> Path:
     ckpt = plan.out / CKPT_DIR
     epochs = sorted((p for p in ckpt.iterdir() if p.name.isdigit()), key=lambda p: int(p.name)) \
         if ckpt.is_dir() else []
-    if not epochs or not (epochs[-1] / "model.safetensors").is_file():
+    if not epochs or not (epochs[-1] / WEIGHTS).is_file():
         raise JobError(f"the trainer saved no checkpoint in {ckpt} (see {plan.out}/train.log)")
     return epochs[-1]
 
@@ -388,15 +389,15 @@ def _publish(plan: Plan, ckpt: Path, versions: dict[str, str], seconds: float) -
     """drafter/: the checkpoint checked, plus what produced it; written to a temp, renamed."""
     from safetensors import safe_open
 
-    config = json.loads((ckpt / "config.json").read_text())
-    with safe_open(str(ckpt / "model.safetensors"), "pt") as f:
+    config = json.loads((ckpt / CONFIG).read_text())
+    with safe_open(str(ckpt / WEIGHTS), "pt") as f:
         names = list(f.keys())
     check_servable(config, names, plan.served)
     dst = plan.out / DRAFTER_DIR
     remove_temps(dst)  # a killed run's (this job holds the directory's lock)
     tmp = temp_path(dst)  # a directory, renamed into place when whole
     tmp.mkdir()
-    for name in ("config.json", "model.safetensors"):
+    for name in (CONFIG, WEIGHTS):
         shutil.copy2(ckpt / name, tmp / name)
     record = {
         "kind": PROG, "format": "speculators eagle3 (vLLM 0.16 serves it as Eagle3LlamaForCausalLM)",
@@ -409,7 +410,7 @@ def _publish(plan: Plan, ckpt: Path, versions: dict[str, str], seconds: float) -
         "draft_vocab_size": config.get("draft_vocab_size"),
         "checkpoint": ckpt.name, "device": plan.device, "seconds": round(seconds, 1),
         "train": plan.identity["train"], "versions": versions,
-        "model_sha256": hashlib.sha256((tmp / "model.safetensors").read_bytes()).hexdigest(),
+        "model_sha256": hashlib.sha256((tmp / WEIGHTS).read_bytes()).hexdigest(),
     }
     write_json_atomic(tmp / RECORD, record)
     shutil.rmtree(dst, ignore_errors=True)
