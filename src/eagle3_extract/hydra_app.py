@@ -8,7 +8,7 @@ import logging
 import os
 import signal
 import sys
-from typing import Any
+from typing import Any, NoReturn
 
 from omegaconf import DictConfig
 
@@ -57,22 +57,26 @@ def run_guarded(prog: str, fn: Any, cfg: DictConfig, interrupted: str) -> None:
     In a `-m` sweep the same line is printed and SweepJobFailed raised instead of exiting,
     so that the sweep runs its other jobs. A watcher removes the shared memory the job's
     processes leave if they are SIGKILLed."""
-    _LAST_LINE.pop(prog, None)
     try:
         _run_guarded(prog, fn, cfg, interrupted)
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else 1
         if code and code < 128 and _in_sweep():  # a signal still ends the whole sweep
-            raise SweepJobFailed(_LAST_LINE.get(prog, f"exit status {code}"), code) from None
+            raise SweepJobFailed(getattr(e, "line", f"exit status {code}"), code) from None
         raise
 
 
-_LAST_LINE: dict[str, str] = {}
+class _JobExit(SystemExit):
+    """The job's exit, with the one line it printed (what a sweep lists)."""
+
+    def __init__(self, line: str, code: int):
+        super().__init__(code)
+        self.line = line
 
 
-def _say(prog: str, line: str) -> None:
-    _LAST_LINE[prog] = line
+def _fail(prog: str, line: str, code: int) -> NoReturn:
     print(f"{prog}: {line}", file=sys.stderr, flush=True)
+    raise _JobExit(line, code)
 
 
 def _run_guarded(prog: str, fn: Any, cfg: DictConfig, interrupted: str) -> None:
@@ -84,8 +88,7 @@ def _run_guarded(prog: str, fn: Any, cfg: DictConfig, interrupted: str) -> None:
         fn(cfg)
     except PreflightError as e:
         log_to_file(f"preflight: {e}")
-        _say(prog, f"error: {e}")
-        sys.exit(2)
+        _fail(prog, f"error: {e}", 2)
     except (KeyboardInterrupt, Interrupted) as e:  # before the job's own handling began
         signum = getattr(e, "signum", signal.SIGINT)
         print(f"{prog}: interrupted by {signal.Signals(signum).name}{interrupted}",
@@ -93,14 +96,12 @@ def _run_guarded(prog: str, fn: Any, cfg: DictConfig, interrupted: str) -> None:
         sys.exit(128 + signum)
     except JobError as e:
         log_to_file(str(e))
-        _say(prog, str(e))
-        sys.exit(e.exit_code)
+        _fail(prog, str(e), e.exit_code)
     except PermissionError as e:  # the environment, not the code: the path, in one line
         msg = (f"{e.filename or '?'}: permission denied ({e.strerror or e}); fix its "
                "permissions or choose another path")
         log_to_file(msg)
-        _say(prog, f"error: {msg}")
-        sys.exit(2)
+        _fail(prog, f"error: {msg}", 2)
 
 
 # Hydra's own flags; those that take a value take the next argument.
@@ -167,11 +168,7 @@ def config_problem(overrides: list[str], config_name: str = "config",
             cfg = compose(config_name, overrides=first)
         unresolvable(cfg)
     except (HydraException, OmegaConfBaseException) as e:
-        cause = e.__cause__ if e.__cause__ is not None else e
-        msg = " ".join(str(cause).split("\n")[0].split())
-        key = getattr(cause, "full_key", None)
-        where = f"{key}: " if key and key not in msg else ""
-        return f"{where}{msg} (see the keys with: {prog} --cfg job)"
+        return f"{one_line(e)} (see the keys with: {prog} --cfg job)"
     for key in added:
         parent, _, leaf = key.rpartition(".")
         node = OmegaConf.select(cfg, parent) if parent else cfg
@@ -181,6 +178,15 @@ def config_problem(overrides: list[str], config_name: str = "config",
         return (f"+{key}: {parent or 'the config'} has no key {leaf!r}; {hint}"
                 "(extra vLLM engine arguments go under +engine.vllm_args.<name>)")
     return None
+
+
+def one_line(e: BaseException) -> str:
+    """A Hydra or OmegaConf error (the validation error behind Hydra's) in one line, with
+    the key it is about."""
+    cause = e.__cause__ if e.__cause__ is not None else e
+    msg = " ".join(str(cause).split("\n")[0].split())
+    key = getattr(cause, "full_key", None)
+    return f"{key}: {msg}" if key and key not in msg else msg
 
 
 def unresolvable(cfg: Any) -> None:

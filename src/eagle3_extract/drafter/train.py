@@ -38,7 +38,7 @@ import numpy as np
 
 from eagle3_extract.config import ConfigError, validate_train
 from eagle3_extract.errors import JobError, PreflightError
-from eagle3_extract.drafter.checkpoint import CONFIG, WEIGHTS
+from eagle3_extract.drafter.checkpoint import CONFIG, WEIGHTS, drafter_problem
 from eagle3_extract.drafter.export import ExportError, export, export_problem
 from eagle3_extract.layout import (D2T_NPY, EXPORT_JSON, T2D_NPY, TOKEN_FREQ_JSON, TRAIN_JSON, VOCAB_DIR,
                      atomic_write, remove_temps, temp_path)
@@ -318,11 +318,7 @@ def _drop_damaged_checkpoints(plan: Plan) -> None:
     """An epoch checkpoint cut short (a kill, a full disk) and every later one are removed
     before the trainer resumes from the last: it redoes them, and nothing is published or
     resumed from a file that is not whole."""
-    from eagle3_extract.drafter.checkpoint import drafter_problem
-
-    ckpt = plan.out / CKPT_DIR
-    epochs = sorted((p for p in ckpt.iterdir() if p.name.isdigit()), key=lambda p: int(p.name)) \
-        if ckpt.is_dir() else []
+    epochs = _epoch_dirs(plan)
     hidden = int(plan.manifest.model["hidden_size"])
     for k, epoch in enumerate(epochs):
         problem = drafter_problem(epoch, hidden)
@@ -334,15 +330,20 @@ def _drop_damaged_checkpoints(plan: Plan) -> None:
             return
 
 
-def _epochs_done(plan: Plan) -> int:
+def _epoch_dirs(plan: Plan) -> list[Path]:
+    """The trainer's epoch checkpoints (checkpoints/<epoch>/), in epoch order."""
     ckpt = plan.out / CKPT_DIR
-    return sum(1 for p in ckpt.iterdir() if p.name.isdigit()) if ckpt.is_dir() else 0
+    return sorted((p for p in ckpt.iterdir() if p.name.isdigit()), key=lambda p: int(p.name)) \
+        if ckpt.is_dir() else []
+
+
+def _epochs_done(plan: Plan) -> int:
+    return len(_epoch_dirs(plan))
 
 
 def _last_checkpoint(plan: Plan) -> Path:
     ckpt = plan.out / CKPT_DIR
-    epochs = sorted((p for p in ckpt.iterdir() if p.name.isdigit()), key=lambda p: int(p.name)) \
-        if ckpt.is_dir() else []
+    epochs = _epoch_dirs(plan)
     if not epochs or not (epochs[-1] / WEIGHTS).is_file():
         raise JobError(f"the trainer saved no checkpoint in {ckpt} (see {plan.out}/train.log)")
     return epochs[-1]

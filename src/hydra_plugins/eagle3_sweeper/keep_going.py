@@ -24,16 +24,10 @@ from hydra.core.utils import JobStatus
 from omegaconf import OmegaConf
 
 
-def one_line(e: BaseException) -> str:
-    """An exception (or the validation error behind Hydra's) in one line."""
-    from eagle3_extract.hydra_app import SweepJobFailed
+def _line(e: BaseException) -> str:
+    from eagle3_extract.hydra_app import SweepJobFailed, one_line
 
-    if isinstance(e, SweepJobFailed):
-        return e.line
-    cause = e.__cause__ if e.__cause__ is not None else e
-    msg = " ".join(str(cause).split("\n")[0].split())
-    key = getattr(cause, "full_key", None)
-    return f"{key}: {msg}" if key and key not in msg else msg
+    return e.line if isinstance(e, SweepJobFailed) else one_line(e)
 
 
 class KeepGoingSweeper(BasicSweeper):
@@ -61,7 +55,7 @@ class KeepGoingSweeper(BasicSweeper):
                 self.hydra_context.config_loader.load_sweep_config(self.config, list(job))
                 runnable.append((num, job))
             except Exception as e:  # noqa: BLE001 - a job that cannot be composed fails alone
-                line = f"{one_line(e)} (see the keys with: {prog} --cfg job)"
+                line = f"{_line(e)} (see the keys with: {prog} --cfg job)"
                 print(f"{prog}: error: sweep job ({name(job)}): {line}", file=sys.stderr,
                       flush=True)
                 failed.append((num, job, line, 2))
@@ -75,8 +69,8 @@ class KeepGoingSweeper(BasicSweeper):
                 code = err.exit_code if isinstance(err, SweepJobFailed) else 1
                 if not isinstance(err, SweepJobFailed):  # not our one line yet
                     print(f"{prog}: error: sweep job ({name(job)}): "
-                          f"{type(err).__name__}: {one_line(err)}", file=sys.stderr, flush=True)
-                failed.append((num, job, one_line(err), code))
+                          f"{type(err).__name__}: {_line(err)}", file=sys.stderr, flush=True)
+                failed.append((num, job, _line(err), code))
         failed.sort()
         if failed:
             print(f"{prog}: {len(failed)} of {len(jobs)} sweep jobs failed:", file=sys.stderr)
