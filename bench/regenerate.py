@@ -160,7 +160,7 @@ def main(argv: list[str] | None = None) -> dict:
     tok = AutoTokenizer.from_pretrained(info.tokenizer_path)
     Renderer(tok)  # no chat template: fail before the engine starts
     t0 = time.perf_counter()
-    llm = build_llm(cfg, info)
+    llm = build_llm(cfg.engine, cfg.model, info)
     start_s = time.perf_counter() - t0
     limits = engine_limits(llm)  # what vLLM resolved our null keys to
     try:

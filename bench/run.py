@@ -35,7 +35,7 @@ import torch
 
 from eagle3_extract.engine import inspect_model, resolve_layer_ids
 from eagle3_extract.engine.start import build_engine
-from eagle3_extract.layout import STATES_KEY
+from eagle3_extract.layout import STATES_KEY, Storage
 from eagle3_extract.models.config import read_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -183,12 +183,13 @@ def main(argv: list[str] | None = None) -> dict:
     max_model_len = max(args.max_model_len, max(lengths) + 1)
     cfg = inputs.job_config(args, path, tiny, max_model_len)
 
+    storage = Storage.from_output(cfg.output)  # as the job's preflight makes it
     t0 = time.perf_counter()
     if args.engine == "hf" and args.load_format == "dummy":
         with inputs.random_hf_weights(args.device):
-            engine = build_engine(cfg, info, layer_ids)
+            engine = build_engine(cfg.engine, cfg.model, info, layer_ids, storage)
     else:
-        engine = build_engine(cfg, info, layer_ids)
+        engine = build_engine(cfg.engine, cfg.model, info, layer_ids, storage)
     start_s = time.perf_counter() - t0
     budget = min(args.token_budget, getattr(engine, "max_batch_tokens", None) or 1 << 62)
     batches = inputs.make_batches(data, budget, args.max_num_seqs)

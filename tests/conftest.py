@@ -156,12 +156,12 @@ def make_engine(name: str, layer_ids=None, arch="llama", dtype="bfloat16", model
                 **engine_kw):
     from eagle3_extract.engine import inspect_model, resolve_layer_ids
     from eagle3_extract.engine.start import build_engine
+    from eagle3_extract.layout import Storage
 
     m = model_cfg(arch, dtype, **(model_kw or {}))
     info = inspect_model(m)
     ids = resolve_layer_ids(layer_ids, info.num_layers)
-    cfg = SimpleNamespace(model=m, engine=engine_cfg(name, **engine_kw))
-    return build_engine(cfg, info, ids)
+    return build_engine(engine_cfg(name, **engine_kw), m, info, ids, Storage())
 
 
 def rel_err(a, b):

@@ -26,7 +26,7 @@ def test_defaults(monkeypatch):
     assert (c.output.format, c.output.files_per_dir) == ("safetensors", 10000)
     assert c.engine.name == "vllm"
     assert c.output.dir == "outputs/tiny/sample/eagle3"
-    assert max_length(c) == c.model.max_model_len - 1
+    assert max_length(c.dataset, c.model) == c.model.max_model_len - 1
     validate(c)
 
 

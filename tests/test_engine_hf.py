@@ -3,6 +3,7 @@ output_hidden_states, and its reusable host buffers."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
@@ -63,13 +64,13 @@ def test_the_engine_stores_as_the_storage_it_is_handed(monkeypatch):
 
     m = model_cfg()
     cfg = SimpleNamespace(model=m, engine=engine_cfg("hf"), output={"dtype": "model"})
-    engine = start.build_engine(cfg, inspect_model(m), [2, 4], fp8)
+    engine = start.build_engine(cfg.engine, cfg.model, inspect_model(m), [2, 4], fp8)
     try:
         assert engine.storage is fp8 and built == []  # handed on, not rebuilt
         eb = engine.extract(Batch([Sample(0, list(range(1, 40)), [1] * 39)]))
         assert eb.states[0].dtype == torch.float8_e4m3fn  # stored as it was told
     finally:
         engine.close()
-    engine = start.build_engine(cfg, inspect_model(m), [2, 4])  # no plan: from the config
-    engine.close()
-    assert built == [{"dtype": "model"}]
+    with pytest.raises(TypeError):  # no plan, no engine: a Storage is required, not rebuilt
+        start.build_engine(cfg.engine, cfg.model, inspect_model(m), [2, 4])
+    assert built == []

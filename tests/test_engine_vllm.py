@@ -195,10 +195,12 @@ def test_nan_rows_are_refused_by_the_devices_finite_flags(storage):
     from eagle3_extract.engine.start import build_engine
     from conftest import engine_cfg, model_cfg
 
+    from eagle3_extract.layout import Storage
+
     m = model_cfg("llama", "bfloat16")
-    cfg = SimpleNamespace(model=m, engine=engine_cfg("vllm"),
-                          output=SimpleNamespace(dtype=storage, fp8_scale="token"))
-    engine = build_engine(cfg, inspect_model(m), [2, 4, 8])
+    out = SimpleNamespace(dtype=storage, fp8_scale="token")
+    engine = build_engine(engine_cfg("vllm"), m, inspect_model(m), [2, 4, 8],
+                          Storage.from_output(out))
     try:
         a, b = random_samples([40, 30], seed=9)
         engine.executor.collective_rpc(_poison_layer, args=(3, 45))  # row 45: sample b

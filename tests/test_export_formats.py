@@ -232,12 +232,12 @@ def test_a_full_disk_is_one_line_and_the_rerun_finishes(run_dir, tmp_path, capsy
 def test_train_checks_a_kept_export_like_a_fresh_one(run_dir, tmp_path, caplog):
     """eagle3-train's rerun reuses its export only when every file re-hashes to its record:
     a lost row or a changed Arrow file is exported again, not trained on."""
-    from eagle3_extract.check.run_dir import complete_run
+    from eagle3_extract.check.run_dir import run_state
     from eagle3_extract.drafter import train
 
     src, m = run_dir
-    man = complete_run(src)[0][0]
-    plan = train.Plan(None, src, tmp_path, man, list(man.layer_ids), [], tmp_path, "cpu", {}, {})
+    man = run_state(src).manifests[0]
+    plan = train.Plan(None, False, src, tmp_path, man, list(man.layer_ids), [], tmp_path, "cpu", {}, {})
     dst = train._export(plan)
     assert export_mod.export_problem(dst) is None
     stamp = (dst / "export.json").stat().st_mtime_ns

@@ -69,7 +69,7 @@ def expected_samples(*overrides: str):
 
     cfg = compose_cfg(*overrides)
     tok = AutoTokenizer.from_pretrained(str(ASSETS / "tokenizer"))
-    data = build_dataset(cfg.dataset, tok, max_length(cfg))
+    data = build_dataset(cfg.dataset, tok, max_length(cfg.dataset, cfg.model))
     return {int(data.indices[j]): data.sample(j) for j in range(len(data))}
 
 
@@ -301,7 +301,7 @@ def test_nested_vllm_args_reach_vllm_as_plain_values(tmp_path, offline):
     cfg = compose_cfg("engine=vllm", f"output.dir={tmp_path}/out",
                       "+engine.vllm_args.attention_config={backend:CPU_ATTN}",
                       "+engine.vllm_args.block_size=32")
-    args = engine_args(cfg, inspect_model(cfg.model))
+    args = engine_args(cfg.engine, cfg.model, inspect_model(cfg.model))
     assert type(args["attention_config"]) is dict and args["block_size"] == 32
     vc = EngineArgs(**args).create_engine_config()
     assert vc.attention_config.backend.name == "CPU_ATTN" and vc.cache_config.block_size == 32

@@ -25,6 +25,11 @@ def compose_cfg(*overrides: str):
         return compose("config", overrides=list(overrides))
 
 
+def capture(cfg, *args, **kw):
+    """check_capture_memory on a composed job config's own groups."""
+    return check_capture_memory(cfg.engine, cfg.model, *args, **kw)
+
+
 def cards(n: int, total: int = 96 * GB, used: int = 0) -> list[Card]:
     return [Card(i, total, total - used) for i in range(n)]
 
@@ -48,28 +53,28 @@ def test_the_headline_job_fits_on_96_gb_cards_and_the_limit_is_named():
     ids = [2, 30, 58, 61]
     pp8 = compose_cfg("experiment=kimi_k25_chat")
     assert (pp8.model.tensor_parallel_size, pp8.model.pipeline_parallel_size) == (1, 8)
-    assert check_capture_memory(pp8, KIMI, ids, 0, cards=cards(8)).rows == 33792
+    assert capture(pp8, KIMI, ids, 0, cards=cards(8)).rows == 33792
     cfg = compose_cfg("experiment=kimi_k25_chat", "layout=tp8")
     assert cfg.engine.token_budget == 32768 and cfg.model.tensor_parallel_size == 8
-    plan = check_capture_memory(cfg, KIMI, ids, 0, cards=cards(8))
+    plan = capture(cfg, KIMI, ids, 0, cards=cards(8))
     assert plan is not None and plan.rows == 33792
-    fp8 = check_capture_memory(cfg, KIMI, ids, 1, cards=cards(8))
+    fp8 = capture(cfg, KIMI, ids, 1, cards=cards(8))
     assert fp8.peak_bytes > plan.peak_bytes
     # vLLM asked for 95% of the card: 4.8 GB left, 1 GiB of it CUDA context
     tight = compose_cfg("experiment=kimi_k25_chat", "layout=tp8",
                         "model.gpu_memory_utilization=0.95")
     with pytest.raises(ValueError) as e:
-        check_capture_memory(tight, KIMI, ids, 0, cards=cards(8))
+        capture(tight, KIMI, ids, 0, cards=cards(8))
     msg = str(e.value)
     assert "\n" not in msg and msg.startswith("GPU 0:")
     assert "the capture needs 3.61 GiB more on this rank" in msg
     # each suggested fix fits
     util = float(msg.split("lower model.gpu_memory_utilization to ")[1].split()[0])
     budget = int(msg.split("lower engine.token_budget to ")[1])
-    assert check_capture_memory(compose_cfg("experiment=kimi_k25_chat", "layout=tp8",
+    assert capture(compose_cfg("experiment=kimi_k25_chat", "layout=tp8",
                                             f"model.gpu_memory_utilization={util}"),
                                 KIMI, ids, 0, cards=cards(8))
-    assert budget % 1024 == 0 and check_capture_memory(
+    assert budget % 1024 == 0 and capture(
         compose_cfg("experiment=kimi_k25_chat", "layout=tp8",
                     "model.gpu_memory_utilization=0.95", f"engine.token_budget={budget}"), KIMI, ids, 0, cards=cards(8))
 
@@ -92,8 +97,8 @@ def test_only_rank_0_of_each_stage_captures():
 
 def test_cpu_runs_and_hosts_without_a_driver_are_not_checked():
     cfg = compose_cfg("engine.device=cpu")
-    assert check_capture_memory(cfg, KIMI, [1, 2], 0, cards=cards(1, total=GB)) is None
-    assert check_capture_memory(compose_cfg("engine=hf"), KIMI, [1, 2], 0,
+    assert capture(cfg, KIMI, [1, 2], 0, cards=cards(1, total=GB)) is None
+    assert capture(compose_cfg("engine=hf"), KIMI, [1, 2], 0,
                                 cards=cards(1, total=GB)) is None
     assert memory.visible_cards() is None  # no NVIDIA driver here: NVML does not start
 

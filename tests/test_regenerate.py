@@ -155,7 +155,7 @@ def _llm(path: str, max_model_len: int = 1024):
     cfg = regen_cfg(f"model.path={path}", f"model.max_model_len={max_model_len}",
                     "engine.distributed_executor_backend=uni", "model.gpu_memory_utilization=0.5",
                     *BATCH_INVARIANT)
-    return build_llm(cfg, inspect_model(cfg.model)), cfg
+    return build_llm(cfg.engine, cfg.model, inspect_model(cfg.model)), cfg
 
 
 @pytest.fixture(scope="module")

@@ -23,6 +23,7 @@ import torch
 from hydra import compose, initialize_config_dir
 from safetensors import safe_open
 
+from eagle3_extract import replicas
 from eagle3_extract.extract import parallel
 from eagle3_extract.check import status
 from eagle3_extract.manifest import Manifest
@@ -100,7 +101,7 @@ def test_replica_shards_partition_each_job_shard(count, n):
     idx = np.arange(1000)
     seen = np.zeros(len(idx), dtype=int)
     for i in range(count):
-        for j, c in parallel.replica_shards(i, count, n):
+        for j, c in replicas.replica_shards(i, count, n):
             assert c == count * n
             mine = idx[idx % c == j]
             assert (mine % count == i).all()  # a replica stays inside its job's shard
@@ -108,33 +109,40 @@ def test_replica_shards_partition_each_job_shard(count, n):
     assert (seen == 1).all()  # together: every sample exactly once
 
 
+def plan(cfg, log_root):
+    """replicas.plan_replicas on a composed job config's own groups."""
+    return replicas.plan_replicas(int(cfg.parallel.data_parallel_size),
+                                  (int(cfg.shard.index), int(cfg.shard.count)), cfg.engine,
+                                  cfg.model, log_root)
+
+
 def test_devices_split_per_replica(tmp_path, monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,4,5,GPU-abc")
     cfg = compose_cfg("model.tensor_parallel_size=2", "parallel.data_parallel_size=2",
                       "shard.count=3", "shard.index=1")
-    reps = parallel.plan_replicas(cfg, tmp_path / "logs")
+    reps = plan(cfg, tmp_path / "logs")
     assert [r.env["CUDA_VISIBLE_DEVICES"] for r in reps] == ["3,4", "5,GPU-abc"]
     assert [r.shard for r in reps] == [(1, 6), (4, 6)]
     assert [r.log_dir.name for r in reps] == ["replica-0", "replica-1"]
     too_many = compose_cfg("model.tensor_parallel_size=2", "model.pipeline_parallel_size=2",
                            "parallel.data_parallel_size=2")
     with pytest.raises(PreflightError, match=r"parallel\.data_parallel_size=2 x 4 devices"):
-        parallel.plan_replicas(too_many, tmp_path)
+        plan(too_many, tmp_path)
     # HF runs one device per replica whatever the model's parallel sizes say
     hf = compose_cfg("engine=hf", "model.tensor_parallel_size=2", "parallel.data_parallel_size=4")
-    assert [r.env["CUDA_VISIBLE_DEVICES"] for r in parallel.plan_replicas(hf, tmp_path)
+    assert [r.env["CUDA_VISIBLE_DEVICES"] for r in plan(hf, tmp_path)
             ] == ["3", "4", "5", "GPU-abc"]
 
 
 def test_cpu_replicas_get_disjoint_cores():
-    assert parallel.cpu_binds(list(range(8)), 2, 2) == ["0,1|2,3", "4,5|6,7"]
-    assert parallel.cpu_binds([0, 1, 2], 2, 1) == ["0", "1"]
-    assert parallel.cpu_binds([0, 1], 2, 2) is None  # too few: leave binding to vLLM
+    assert replicas.cpu_binds(list(range(8)), 2, 2) == ["0,1|2,3", "4,5|6,7"]
+    assert replicas.cpu_binds([0, 1, 2], 2, 1) == ["0", "1"]
+    assert replicas.cpu_binds([0, 1], 2, 2) is None  # too few: leave binding to vLLM
 
 
 def test_replica_overrides_replace_shard_and_keep_the_rest(tmp_path):
     root = tmp_path / "a b,c" / "it's"
-    ov = parallel.replica_overrides(
+    ov = replicas.replica_overrides(
         ["engine=hf", "shard.index=1", "+shard.count=3", "parallel.data_parallel_size=2",
          "layers=explicit", "layers.ids=[1,3]", "output.dir=/elsewhere"],
         (4, 6), root, tmp_path / "logs x")
@@ -309,7 +317,7 @@ def test_two_vllm_replicas_equal_the_unsharded_run(vllm_ref, tmp_path):
 
 
 def test_a_tokenized_set_of_another_run_is_refused(tmp_path, offline, monkeypatch):
-    from eagle3_extract.extract.job import TOKENIZED_ENV, preflight
+    from eagle3_extract.extract.preflight import TOKENIZED_ENV, preflight
 
     plan = preflight(compose_cfg(*HF, f"output.dir={tmp_path}/a"))
     plan.mine.save(tmp_path / "t", {"ident": plan.ident})
@@ -351,10 +359,10 @@ def test_ctrl_c_stops_every_replica(tmp_path, offline, caplog):
 
 def test_a_replica_dies_with_its_launcher(tmp_path):
     """A SIGKILLed launcher leaves no replica behind (holding GPUs, racing a rerun)."""
-    replica = ("from eagle3_extract.extract.parallel import die_with_launcher; die_with_launcher(); "
+    replica = ("from eagle3_extract.replicas import die_with_launcher; die_with_launcher(); "
                "import time; print('armed', flush=True); time.sleep(120)")
     launcher = ("import os, subprocess, sys, time; "
-                f"os.environ['{parallel.PARENT_ENV}'] = str(os.getpid()); "
+                f"os.environ['{replicas.PARENT_ENV}'] = str(os.getpid()); "
                 f"p = subprocess.Popen([sys.executable, '-c', {replica!r}]); "
                 "print(p.pid, flush=True); time.sleep(120)")
     proc = subprocess.Popen([sys.executable, "-c", launcher], stdout=subprocess.PIPE, text=True)

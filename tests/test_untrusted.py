@@ -150,7 +150,7 @@ def test_shards_started_within_milliseconds_one_identity_wins(tmp_path):
     results = [(p.wait(timeout=600), p.stderr.read()) for p in procs]
     assert sorted(rc for rc, _ in results) == [0, 2], results
     assert REFUSED in next(err for rc, err in results if rc == 2)
-    from eagle3_extract.manifest import read_manifests, run_ids
+    from eagle3_extract.run_state import read_manifests, run_ids
 
     run = read_manifests(out)
     assert len(run_ids(out, list(run.layouts[2].values()))) == 1

@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import save_file
 
 from conftest import make_engine
-from eagle3_extract.check import verify
+from eagle3_extract.check import reference, verify
 from eagle3_extract.manifest import Manifest
 from eagle3_extract.types import Batch, Sample
 from test_validate import extract_tiny, load_st, rewrite, sample_file
@@ -39,8 +39,8 @@ def refs(clean):
     manifest = Manifest.read(clean / "manifest.json")
     cfg = verify.build_config(manifest, [])
     info = inspect_model(cfg.model)
-    built = [verify.HFReference(cfg, info, manifest.layer_ids),
-             verify.VllmAuxReference(cfg, info, manifest.layer_ids)]
+    built = [reference.HFReference(cfg.engine, cfg.model, info, manifest.layer_ids),
+             reference.VllmAuxReference(cfg.engine, cfg.model, info, manifest.layer_ids)]
     yield built
     for r in built:
         r.close()

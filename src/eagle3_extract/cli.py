@@ -1,7 +1,8 @@
 """`eagle3-extract`: the Hydra main. Composes the config and hands it to the job.
 
 One shard on one engine: job.run. `parallel.data_parallel_size > 1`: the
-launcher (extract/parallel.py), which runs this same command once per replica.
+launcher (extract/parallel.py over replicas.py), which runs this same command once per
+replica.
 """
 
 from __future__ import annotations
@@ -15,14 +16,15 @@ from eagle3_extract.hydra_app import hydra_main, run_guarded
 
 
 def _extract(cfg: DictConfig) -> None:
+    from eagle3_extract import replicas
     from eagle3_extract.extract import job, parallel
 
     if int(cfg.parallel.data_parallel_size) > 1:
-        rc = parallel.launch_hydra_job(cfg)
+        rc = replicas.launch_hydra_job(cfg, parallel.launch)
         if rc:
             sys.exit(rc)
         return
-    parallel.die_with_launcher()  # a replica: no orphan outlives its launcher
+    replicas.die_with_launcher()  # a replica: no orphan outlives its launcher
     job.run(cfg)
 
 

@@ -19,6 +19,7 @@ from typing import Any, Dict, List, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from eagle3_extract.errors import ConfigError, PreflightError  # noqa: F401 - re-exported
 
@@ -35,8 +36,6 @@ TURN_MODES = ("all", "last")
 REASONING_MODES = ("keep", "drop")
 MAX_TOKENS_POLICIES = ("drop", "keep")
 DEVICES = ("auto", "cpu", "cuda")
-
-
 
 
 @dataclass
@@ -464,8 +463,23 @@ def validate_acceptance(cfg: Any) -> None:
             raise ConfigError(f"{key} is empty")
 
 
-def max_length(cfg: Any) -> int:
+def max_length(dataset: DatasetConfig, model: ModelConfig) -> int:
     """Longest sample kept whole: dataset.max_length, default model.max_model_len - 1."""
-    if cfg.dataset.max_length is not None:
-        return int(cfg.dataset.max_length)
-    return int(cfg.model.max_model_len) - 1
+    if dataset.max_length is not None:
+        return int(dataset.max_length)
+    return int(model.max_model_len) - 1
+
+
+def resolve_config(cfg: Any) -> dict[str, Any]:
+    try:
+        return OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
+    except OmegaConfBaseException as e:
+        msg = str(e).splitlines()[0]
+        missing = re.search(r"Missing mandatory value: (\S+)", msg)
+        if missing:
+            key = missing.group(1) if "." in missing.group(1) else (e.full_key or missing.group(1))
+            raise ConfigError(
+                f"{key} is missing: set it on the command line (e.g. "
+                "layers=explicit layers.ids=[1,3,5]; dataset=local dataset.path=/data/x.jsonl)"
+            ) from e
+        raise ConfigError(f"config error: {msg}") from e

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import sys
-from typing import Any
 
 
 class PreflightError(Exception):
@@ -34,24 +31,3 @@ class Interrupted(BaseException):
 
 def raise_interrupted(signum: int, frame: object) -> None:
     raise Interrupted(signum)
-
-
-def quiet_on_broken_pipe(main: Any) -> Any:
-    """A console script's main that ends quietly when its reader is gone (`| head -1`):
-    exit 141 (128 + SIGPIPE, what a C tool's death by SIGPIPE reports), no traceback.
-    stdout is pointed at /dev/null first, or Python's flush at exit would raise again."""
-    import functools
-
-    @functools.wraps(main)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        try:
-            rc = main(*args, **kwargs)
-            sys.stdout.flush()  # what is still buffered fails here, not at exit
-            return rc
-        except BrokenPipeError:
-            devnull = os.open(os.devnull, os.O_WRONLY)
-            os.dup2(devnull, sys.stdout.fileno())
-            os.close(devnull)
-            return 141
-
-    return wrapper

@@ -1,6 +1,7 @@
-"""The Hydra plumbing every command's entry point stands on: compose the config (a typo
-or a wrong type fails before anything starts), quiet the engines' logs, and turn the
-job's errors into one line and an exit status. Imports nothing of the commands."""
+"""The Hydra plumbing of the commands that run a job (extract, regenerate, train,
+acceptance): compose the config (a typo or a wrong type fails before anything starts),
+quiet the engines' logs, and end the job the way every command ends (entry.py: one line
+and an exit status). Imports nothing of the commands."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ from typing import Any, NoReturn
 from omegaconf import DictConfig
 
 from eagle3_extract.config import conf_dir
-from eagle3_extract.errors import Interrupted, JobError, PreflightError
+from eagle3_extract.entry import error_exit
+from eagle3_extract.errors import Interrupted, PreflightError
 
 log = logging.getLogger("eagle3_extract")
 
@@ -86,22 +88,18 @@ def _run_guarded(prog: str, fn: Any, cfg: DictConfig, interrupted: str) -> None:
     shm_watch.start()
     try:
         fn(cfg)
-    except PreflightError as e:
-        log_to_file(f"preflight: {e}")
-        _fail(prog, f"error: {e}", 2)
     except (KeyboardInterrupt, Interrupted) as e:  # before the job's own handling began
         signum = getattr(e, "signum", signal.SIGINT)
         print(f"{prog}: interrupted by {signal.Signals(signum).name}{interrupted}",
               file=sys.stderr, flush=True)
         sys.exit(128 + signum)
-    except JobError as e:
-        log_to_file(str(e))
-        _fail(prog, str(e), e.exit_code)
-    except PermissionError as e:  # the environment, not the code: the path, in one line
-        msg = (f"{e.filename or '?'}: permission denied ({e.strerror or e}); fix its "
-               "permissions or choose another path")
-        log_to_file(msg)
-        _fail(prog, f"error: {msg}", 2)
+    except Exception as e:  # noqa: BLE001 - every command's one error path (entry.py)
+        found = error_exit(e)
+        if found is None:
+            raise
+        line, code = found
+        log_to_file(f"preflight: {e}" if isinstance(e, PreflightError) else line)
+        _fail(prog, line, code)
 
 
 # Hydra's own flags; those that take a value take the next argument.

@@ -29,6 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from eagle3_extract.errors import PreflightError
+
 DATA_DIR = "data"
 RUN_JSON = "run.json"
 MANIFEST_JSON = "manifest.json"  # one shard; manifest_name() for several
@@ -98,7 +100,6 @@ class Storage:
     def identity(self) -> dict[str, str] | None:
         """What the run identity records (None for the model dtype: older run ids hold)."""
         return {"dtype": "float8_e4m3fn", "scale": self.scale} if self.fp8 else None
-
 
 
 LOGS_DIR = "logs"  # Hydra's logs of each job in its output dir (conf/config.yaml)
@@ -384,3 +385,33 @@ def file_bytes(root: Path, indices: Iterable[int], files_per_dir: int, fmt: str)
         except FileNotFoundError:
             pass
     return total
+
+
+def check_own_dir(root: Path) -> None:
+    """A folder holding someone else's files is never written into (nor is anything in
+    it replaced): refused before the job makes a file there."""
+    try:
+        foreign = foreign_entries(root)
+    except OSError as e:
+        raise PreflightError(f"output.dir={str(root)!r} cannot be read ({e.strerror or e}); "
+                             "fix its permissions or set output.dir elsewhere") from e
+    if foreign:
+        shown = ", ".join(foreign[:4]) + (", ..." if len(foreign) > 4 else "")
+        raise PreflightError(
+            f"output.dir={str(root)!r} is not empty and holds no eagle3-extract run (no "
+            f"{RUN_JSON}; it has {shown}); nothing in it was touched: set output.dir to a "
+            "new or empty directory")
+
+
+def check_writable(root: Path) -> None:
+    check_own_dir(root)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        probe = temp_path(root / ".write-probe")
+        probe.write_bytes(b"ok")
+        probe.unlink()
+    except OSError as e:
+        raise PreflightError(
+            f"output.dir={str(root)!r} is not writable ({e.strerror or e}); set output.dir "
+            "to a writable directory"
+        ) from e

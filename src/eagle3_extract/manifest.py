@@ -22,12 +22,15 @@ import socket
 import time
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from eagle3_extract.cpu_build import NAMES as CPU_BUILDS
 from eagle3_extract.errors import PreflightError
-from eagle3_extract.layout import (MANIFEST_JSON, RUN_JSON, Storage, atomic_write, json_temp_name,
+from eagle3_extract.layout import (RUN_JSON, Storage, atomic_write, json_temp_name,
                                    link_target, manifest_name, temp_path)
+
+if TYPE_CHECKING:  # the schema's groups, as the job hands them (DictConfig at run time)
+    from eagle3_extract.config import DatasetConfig, ModelConfig, OutputConfig
 
 FORMAT_VERSION = 1
 LAYER_CONVENTION = ("vllm: id k = residual stream entering decoder layer k; "
@@ -83,6 +86,11 @@ class Manifest:
     @property
     def file_name(self) -> str:
         return manifest_name(self.shard_index, self.shard_count)
+
+    @property
+    def storage(self) -> Storage:
+        """How this run stored its states (its output.*), for the readers of a run."""
+        return Storage.from_output(((self.config or {}).get("output")) or {})
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -185,28 +193,30 @@ def chat_template_sha256(tokenizer: Any) -> str:
     return hashlib.sha256(template.encode()).hexdigest()
 
 
-def run_identity(cfg: Any, info: Any, layer_ids: list[int], template_sha256: str,
+def run_identity(model: ModelConfig, dataset: DatasetConfig, output: OutputConfig,
+                 storage: Storage, info: Any, layer_ids: list[int], template_sha256: str,
                  max_length: int) -> dict[str, Any]:
+    """What determines the data (the model, its layers, the dataset as read, the layout and
+    how states are stored), hashed into run_id; nothing of how fast it is made."""
     ident = {
         "format_version": FORMAT_VERSION,
         "model": {
-            "path": str(cfg.model.path),
-            "tiny_config": cfg.model.tiny_config if str(cfg.model.path) == "tiny" else None,
+            "path": str(model.path),
+            "tiny_config": model.tiny_config if str(model.path) == "tiny" else None,
             "config_sha256": info.config_sha256,
             "architecture": info.architecture,
             "num_layers": info.num_layers,
             "hidden_size": info.hidden_size,
             "dtype": str(info.dtype).removeprefix("torch."),
-            "quantization": cfg.model.quantization,
-            "tokenizer": cfg.model.tokenizer,
+            "quantization": model.quantization,
+            "tokenizer": model.tokenizer,
             "chat_template_sha256": template_sha256,
         },
         "layer_ids": list(layer_ids),
-        "dataset": dataset_identity(cfg.dataset, max_length),
-        "output": {"format": str(cfg.output.format),
-                   "files_per_dir": int(cfg.output.files_per_dir)},
+        "dataset": dataset_identity(dataset, max_length),
+        "output": {"format": str(output.format), "files_per_dir": int(output.files_per_dir)},
     }
-    stored = Storage.from_output(cfg.output).identity()
+    stored = storage.identity()
     if stored:  # only when not the model dtype: the run ids of earlier runs stay valid
         ident["output"]["states"] = stored
     return with_run_id(ident)
@@ -240,102 +250,6 @@ def read_run_json(root: Path) -> dict[str, Any]:
         raise OSError(f"run.json is a symbolic link (to {link_target(path)}), not this "
                       "directory's own record")
     return json.loads(path.read_text())
-
-
-@dataclass
-class RunManifests:
-    """Every shard manifest of an output dir, by layout (shard count) and shard index.
-
-    A rerun with another shard layout resumes from the same files and leaves the old
-    layout's manifests behind. One rule says which layout is the run now, for every
-    command that reads the dir (validate, status, export, train, verify): the one
-    written last (`updated`, then the files' mtimes).
-    """
-
-    layouts: dict[int, dict[int, Manifest]]
-    names: dict[int, list[str]]
-    last_written: dict[int, tuple[str, int]]
-    unreadable: list[tuple[str, str]]  # (file name, why)
-
-    @property
-    def current(self) -> int | None:
-        """The shard count of the layout written last, or None without manifests."""
-        if not self.layouts:
-            return None
-        return max(self.layouts, key=lambda c: self.last_written[c])
-
-    def complete(self, count: int) -> bool:
-        shards = self.layouts.get(count, {})
-        return all(i in shards and shards[i].status == "complete" for i in range(count))
-
-
-def read_manifests(root: Path) -> RunManifests:
-    """The manifests in `root` (a symbolic link where one belongs is never read: the
-    layout scans name it)."""
-    from eagle3_extract.layout import MANIFEST_RE
-
-    run = RunManifests({}, {}, {}, [])
-    paths = sorted((Path(e.path) for e in os.scandir(root)
-                    if MANIFEST_RE.match(e.name) and not e.is_symlink()),
-                   key=lambda p: (p.name != MANIFEST_JSON, p.name))
-    for p in paths:
-        try:
-            m = Manifest.read(p)
-            written = (str(m.updated or ""), p.stat().st_mtime_ns)
-        except (OSError, ValueError) as e:
-            run.unreadable.append((p.name, str(e)))
-            continue
-        count = m.shard_count
-        run.layouts.setdefault(count, {})[m.shard_index] = m
-        run.names.setdefault(count, []).append(p.name)
-        run.last_written[count] = max(run.last_written.get(count, written), written)
-    return run
-
-
-def missing_merge(root: Path, manifests: list[Manifest]) -> list[str]:
-    """The files a finished run merges from its shards (`token_freq.json` over several
-    shards, `vocab/` when output.draft_vocab_size is set) that are not there: what a kill
-    between the last shard's "complete" and its merge leaves. Rerunning any one shard of
-    the run finds every file done and writes them."""
-    from eagle3_extract.layout import D2T_NPY, T2D_NPY, TOKEN_FREQ_JSON, VOCAB_DIR
-
-    if not manifests:
-        return []
-    m = manifests[0]
-    missing = []
-    if m.shard_count > 1 and not (root / TOKEN_FREQ_JSON).is_file():
-        missing.append(TOKEN_FREQ_JSON)
-    size = ((m.config or {}).get("output") or {}).get("draft_vocab_size")
-    if size is not None and (m.model or {}).get("vocab_size", 1):
-        missing += [f"{VOCAB_DIR}/{n}" for n in (D2T_NPY, T2D_NPY)
-                    if not (root / VOCAB_DIR / n).is_file()]
-    return missing
-
-
-def merge_message(missing: list[str]) -> str:
-    return (f"every shard is complete but the merge is missing ({', '.join(missing)}): "
-            "rerun any one shard of the job with the same config (it finds every file "
-            "done and writes the merge)")
-
-
-def run_ids(root: Path, manifests: list[Manifest]) -> dict[str, list[str]]:
-    """run_id -> the files that name it (run.json and each shard manifest): more than one
-    is a directory holding two configs' data (left by a version before claim_run_json)."""
-    out: dict[str, list[str]] = {}
-    try:
-        out.setdefault(str(read_run_json(root).get("run_id")), []).append(RUN_JSON)
-    except (OSError, ValueError):
-        pass
-    for m in manifests:
-        out.setdefault(str(m.run_id), []).append(m.file_name)
-    return out
-
-
-def mixed_runs_message(ids: dict[str, list[str]]) -> str:
-    parts = "; ".join(f"{rid} in {', '.join(names[:3])}" for rid, names in ids.items())
-    return (f"this directory mixes {len(ids)} runs of different configs ({parts}): written "
-            "by an older eagle3-extract whose shards could start with different settings; "
-            "its data cannot be trusted: extract again into a new output.dir")
 
 
 def check_run_json(root: Path, ident: dict[str, Any]) -> bool:

@@ -29,7 +29,8 @@ import tempfile
 from datetime import datetime, timezone
 from pathlib import Path
 
-from eagle3_extract.errors import quiet_on_broken_pipe
+from eagle3_extract.entry import command
+from eagle3_extract.errors import JobError
 from eagle3_extract.cpu_build import NAMES as CPU_BUILDS
 from eagle3_extract.layout import atomic_write
 
@@ -213,7 +214,7 @@ def check(target: Path, patches: Path) -> str:
     return f"ok: {len(series)} patches applied and intact in {target}"
 
 
-@quiet_on_broken_pipe
+@command("eagle3-patches")
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="eagle3-patches", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -235,8 +236,7 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(manifest, indent=2) if manifest else f"no patches applied in {target}")
             return 0 if manifest else 1
     except PatchError as e:
-        print(f"eagle3-patches {args.command}: error: {e}", file=sys.stderr)
-        return 1
+        raise JobError(f"{args.command}: error: {e}", exit_code=1) from e
     return 0
 
 

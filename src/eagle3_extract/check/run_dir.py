@@ -1,32 +1,25 @@
-"""One reader of an extraction's directory: which manifests are the current run, whether
-it is finished, and one sample file's tensors. Every command that reads a run (validate,
-verify, export, train, the peer comparison; status through manifest.read_manifests)
-reads it here, so all of them name the same run."""
+"""One reader of an extraction's directory for the commands that read a finished run:
+whether it is complete and what is missing (`run_state`, defined beside the manifests so
+that a finishing shard asks the same question), one sample file's tensors, checked as they
+are read, and the samples a run's files lack. eagle3-status, validate, verify, export,
+train and the peer comparison read a run through it, so all of them name the same run."""
 
 from __future__ import annotations
 
 import io
 import os
 from collections.abc import Iterable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from eagle3_extract.layout import content_problem, safetensors_header
-from eagle3_extract.manifest import (Manifest, mixed_runs_message, read_manifests,
-                                     run_ids)
+from eagle3_extract.manifest import Manifest
+from eagle3_extract.run_state import Problem, RunState, merge_message, run_state
 
-
-@dataclass
-class Problem:
-    """One thing wrong: `where` is a file path relative to DIR, or "dataset"."""
-
-    where: str
-    code: str
-    message: str
-
+__all__ = ["DamagedSample", "Problem", "RunState", "load_sample", "missing_samples",
+           "merge_message", "read_checked", "run_state"]
 
 
 def load_sample(path: Path, fmt: str, data: bytes | None = None
@@ -52,65 +45,6 @@ def load_sample(path: Path, fmt: str, data: bytes | None = None
     if not isinstance(obj, dict):
         raise ValueError(f"holds a {type(obj).__name__}, not a dict of tensors")
     return obj, {}
-
-
-def load_manifests(root: Path) -> tuple[list[Manifest], list[Problem]]:
-    """The manifests of the run's current shard layout, and problems.
-
-    One `manifest.json`, or one per shard (`shard.count > 1`, data parallelism).
-    A rerun with another shard layout resumes from the same files and leaves the
-    old layout's manifests behind: the layout updated last is the current one;
-    the others are reported (code "stale_manifest", a warning in `validate`). While
-    the current layout is unfinished, no mix of layouts is pieced together: code
-    "mixed_layouts" names the shards that would finish it (their files are found).
-    """
-    run = read_manifests(root)
-    problems = [Problem(name, "manifest", f"unreadable: {why}") for name, why in run.unreadable]
-    if not run.layouts and not run.unreadable:
-        return [], [Problem("dataset", "manifest", "no manifest.json (nor shard manifests)")]
-    if not run.layouts:
-        return [], problems
-    current = run.current
-    layouts = {c: list(shards.values()) for c, shards in run.layouts.items()}
-    names = run.names
-    done = sorted(m.shard_index for m in layouts[current] if m.status == "complete")
-    if len(layouts) > 1 and done != list(range(current)):
-        # Files of several layouts, the latest one unfinished: one layout is what the
-        # checks (and export, and train) read, so say which shards would finish it.
-        todo = sorted(set(range(current)) - set(done))
-        others = ", ".join(f"shard.count={c} (shards {sorted(m.shard_index for m in ms)})"
-                           for c, ms in sorted(layouts.items()) if c != current)
-        problems.insert(0, Problem(
-            "dataset", "mixed_layouts", f"this dir holds files of several shard layouts: "
-            f"the latest, shard.count={current}, lacks complete shards {todo} (besides "
-            f"{others}); run shard.count={current} shard.index=<each of {todo}>: files "
-            "already there are re-checked, not redone, then validate again"))
-        return layouts[current], problems
-    ids = run_ids(root, layouts[current])
-    if len(ids) > 1:
-        problems.insert(0, Problem("dataset", "mixed_runs", mixed_runs_message(ids)))
-    for c in sorted(set(layouts) - {current}):
-        problems.append(Problem(
-            "dataset", "stale_manifest", f"{names[c]} describe an earlier run with "
-            f"shard.count={c}; checking against the later shard.count={current}"))
-    return layouts[current], problems
-
-
-def complete_run(root: Path) -> tuple[list[Manifest], str | None]:
-    """The manifests of a finished extraction, or why it is not one (what export and
-    train read: every shard of the current layout complete, no unfinished mix)."""
-    manifests, problems = load_manifests(root)
-    blocking = [p for p in problems if p.code != "stale_manifest"]
-    if blocking:
-        return manifests, blocking[0].message
-    if not manifests:
-        return [], "no manifest.json"
-    count = manifests[0].shard_count
-    not_done = sorted(set(range(count))
-                      - {m.shard_index for m in manifests if m.status == "complete"})
-    if not_done:
-        return manifests, f"shards {not_done} of shard.count={count} are not complete"
-    return manifests, None
 
 
 class DamagedSample(Exception):

@@ -5,8 +5,8 @@ sample files): no model, no dataset, so it is safe to run beside a live job, on
 a login node or from a cron check. Shards of several partitions can share a
 directory (a run resumed with another `shard.count` or data-parallel size);
 each partition is reported, and the run is the partition written last (the rule
-eagle3-validate, export and train follow: manifest.RunManifests): it is complete
-when every shard of that one is.
+eagle3-validate, export and train follow: run_dir.run_state, which says whether it is
+complete and what is missing).
 
 A shard is `complete`, `running`, `failed` or `missing` (no manifest). A
 manifest that says `running` counts as failed when its process is gone (checked
@@ -29,11 +29,12 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from eagle3_extract.errors import quiet_on_broken_pipe
-from eagle3_extract.layout import links, verified_files
+from eagle3_extract.entry import command
+from eagle3_extract.errors import PreflightError
+from eagle3_extract.check.run_dir import merge_message, run_state
+from eagle3_extract.layout import verified_files
 from eagle3_extract.lock import process_alive
-from eagle3_extract.manifest import (Manifest, merge_message, missing_merge, mixed_runs_message,
-                                     read_manifests, read_run_json, run_ids)
+from eagle3_extract.manifest import Manifest, read_run_json
 
 STALE_AFTER_S = 3600.0
 
@@ -60,8 +61,8 @@ class Shard:
         return f"{self.index}/{self.count}"
 
 
-class NotARunDir(Exception):
-    pass
+class NotARunDir(PreflightError):
+    """Not an extraction's output dir, or not readable: exit 2."""
 
 
 def _age_s(stamp: str | None) -> float | None:
@@ -124,7 +125,8 @@ def collect(root: str | Path, stale_after: float = STALE_AFTER_S) -> dict[str, A
         raise NotARunDir(f"{root}: no readable run.json ({e}); not an eagle3-extract output "
                          "dir, or its preflight never passed") from e
     fmt = run["output"]["format"]
-    run_manifests = read_manifests(root)  # a link where one belongs: `links` below names it
+    state = run_state(root)  # a link where a manifest belongs is never read: state.links
+    run_manifests = state.layouts
     manifests = run_manifests.layouts
     files, damaged = verified_files(root, fmt)  # a file cut short does not count as done
     usable = tokens_total = None
@@ -153,15 +155,12 @@ def collect(root: str | Path, stale_after: float = STALE_AFTER_S) -> dict[str, A
             "updated": latest,
             "shards": [asdict(s) for s in shards],
         })
-    linked = links(root)
-    # the run now is the layout written last (manifest.RunManifests: validate's rule too)
+    # the run now is the layout written last (RunManifests: validate's rule too)
     primary = next((p for p in partitions if p["current"]), None)
-    current = list(manifests.get(run_manifests.current, {}).values())
-    ids = run_ids(root, current)
-    mixed = mixed_runs_message(ids) if len(ids) > 1 else None
-    merge = missing_merge(root, current) if primary and primary["complete"] else []
-    complete = (bool(primary and primary["complete"]) and not linked and not mixed
-                and not merge)
+    mixed = next((p.message for p in state.problems if p.code == "mixed_runs"), None)
+    linked, merge = state.links, state.merge
+    # and the files a complete shard wrote still there (a shard missing some says failed)
+    complete = state.complete and bool(primary and primary["complete"])
     shards = primary["shards"] if primary else []
     states = [s["state"] for s in shards]
     done = len(files)
@@ -237,7 +236,7 @@ def format_report(r: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-@quiet_on_broken_pipe
+@command("eagle3-status")
 def main(argv: list[str] | None = None) -> int:
     """Console script `eagle3-status DIR [--json] [--stale-after S]`."""
     ap = argparse.ArgumentParser(
@@ -251,14 +250,10 @@ def main(argv: list[str] | None = None) -> int:
                          f"its process cannot be checked from here (default {STALE_AFTER_S:.0f})")
     args = ap.parse_args(argv)
     try:
-        try:
-            report = collect(args.dir, args.stale_after)
-        except PermissionError as e:
-            raise NotARunDir(f"{e.filename or args.dir}: cannot be read ({e.strerror}); fix "
-                             "its permissions") from e
-    except NotARunDir as e:
-        print(f"eagle3-status: error: {e}", file=sys.stderr)
-        return 2
+        report = collect(args.dir, args.stale_after)
+    except PermissionError as e:
+        raise NotARunDir(f"{e.filename or args.dir}: cannot be read ({e.strerror}); fix "
+                         "its permissions") from e
     print(json.dumps(report, indent=2) if args.json else format_report(report))
     return 0 if report["complete"] else 1
 

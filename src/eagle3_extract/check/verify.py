@@ -17,8 +17,9 @@ data against the reference must stay within the dtype's bounds on its median,
 mean and max over tokens (`TOLERANCES`). The input ids are also re-derived from
 the dataset (seeded order, chat template) when it is readable, so a file that
 holds another sample's tokens is caught too. The cheap parts of
-`eagle3-validate` run first (file tree, counts, and the per-file checks of the
-K chosen files: metadata, run_id, rows, NaN); `eagle3-validate` checks them all.
+`eagle3-validate` run first (check/files.py: file tree, counts, and the per-file checks
+of the K chosen files: metadata, run_id, rows, NaN); `eagle3-validate` checks them all.
+The references themselves are check/reference.py.
 
 The model and dataset come from the manifest's config; Hydra-style overrides
 (`model.path=/new/place`, `engine.device=cpu`) apply on top when they moved.
@@ -30,27 +31,24 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import random
 import sys
 import time
-from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, replace
-from functools import partial
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
-from eagle3_extract.errors import quiet_on_broken_pipe
-from eagle3_extract.models import config as model_config
+from eagle3_extract.config import DatasetConfig, ModelConfig
+from eagle3_extract.entry import command
 from eagle3_extract.layout import Storage
 from eagle3_extract.manifest import Manifest
-from eagle3_extract.models.config import read_config
 from eagle3_extract.quant import states_of
-from eagle3_extract.types import Batch, Sample
-from eagle3_extract.check.run_dir import load_manifests, load_sample
-from eagle3_extract.check.validate import (
+from eagle3_extract.types import Sample
+from eagle3_extract.check.run_dir import load_sample, run_state
+from eagle3_extract.check.reference import REFERENCES, Reference, VerifyError, is_moe
+from eagle3_extract.check.files import (
     check_counts,
     ChecksumTally,
     check_file,
@@ -114,24 +112,6 @@ LOGITS_ARGMAX = {"float32": 0.999, "float16": 0.98, "bfloat16": 0.97, "fp8": FP8
 # flipped 4.6% of positions in bf16 with its states within 1.7% of HF's. A wrong state's
 # flips lie far outside the band (tests/test_verify.py, tests/test_exports.py).
 TIE_BAND = 3.0
-# vLLM 0.16 models whose forward appends `hidden_states + residual` before layer
-# idx (read from vllm/model_executor/models/{llama,qwen2,qwen3}.py).
-VLLM_AUX_ARCHS = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
-
-
-class VerifyError(Exception):
-    """Verification could not run (bad directory, model or override); exit 2."""
-
-
-class Reference(Protocol):
-    """An independent way to compute the states at `layer_ids` for some samples."""
-
-    name: str
-    layer_ids: list[int]
-
-    def states(self, samples: list[Sample]) -> list[torch.Tensor]: ...
-
-    def close(self) -> None: ...
 
 
 # --- configuration --------------------------------------------------------------------
@@ -168,184 +148,7 @@ def tolerance(dtype: str, moe: bool, storage: Storage = Storage()) -> Tol:
     return t
 
 
-def is_moe(model_path: str) -> bool:
-    try:
-        cfg, _ = read_config(model_path)
-    except (OSError, ValueError):
-        return False
-    return model_config.is_moe(cfg)
-
-
 # --- references -----------------------------------------------------------------------
-
-
-class HFReference:
-    """engine/hf.py in the model dtype: one sample per forward, no vLLM code."""
-
-    name = "hf"
-
-    def __init__(self, cfg: Any, info: Any, layer_ids: list[int]):
-        from omegaconf import OmegaConf
-
-        from eagle3_extract.engine.hf import HFEngine
-
-        # the reference in full model precision, whatever the data is stored in
-        cfg = OmegaConf.merge(cfg, {"engine": {"name": "hf"}, "output": {"dtype": "model"}})
-        self.layer_ids = list(layer_ids)
-        self.engine = HFEngine(cfg, info, self.layer_ids, Storage())  # the model's dtype
-
-    def states(self, samples: list[Sample]) -> list[torch.Tensor]:
-        eb = self.engine.extract(Batch(samples))
-        try:  # the states may be views into a host buffer the engine reuses
-            return [s.clone() for s in eb.states]
-        finally:
-            eb.release()
-
-    def close(self) -> None:
-        self.engine.close()
-
-
-def _install_aux_capture(model: torch.nn.Module, ids: tuple[int, ...]) -> bool:
-    """Runs in the vLLM worker: turn on the EAGLE-3 aux states and keep them.
-
-    With aux layers set, the base model returns `(hidden_states, aux)`, which
-    the runner only unpacks when an EAGLE-3 drafter is configured; so the base
-    model's forward is wrapped (an instance attribute: the compile decorator
-    calls `self.forward` directly, bypassing module hooks) to store the aux
-    states and return the plain hidden states.
-    """
-    if not hasattr(model, "set_aux_hidden_state_layers"):
-        return False
-    inner = model.model
-    model.set_aux_hidden_state_layers(tuple(ids))
-    store: list[list[torch.Tensor]] = []
-    forward = inner.forward
-
-    def capture(*args, **kwargs):
-        out = forward(*args, **kwargs)
-        if isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], list):
-            store.append([t.detach().to("cpu", copy=True) for t in out[1]])
-            return out[0]
-        return out
-
-    inner.forward = capture
-    inner._eagle3_verify_store = store
-    return True
-
-
-def _take_aux(model: torch.nn.Module) -> list[torch.Tensor]:
-    """Runs in the vLLM worker: the captured forwards as [t, L, H] chunks; clears them."""
-    store = model.model._eagle3_verify_store
-    out = [torch.stack(chunk, dim=1) for chunk in store]
-    store.clear()
-    return out
-
-
-@contextmanager
-def _env(**values: str):
-    """Set environment variables the caller has not set, for one block."""
-    added = {k: v for k, v in values.items() if k not in os.environ}
-    os.environ.update(added)
-    try:
-        yield
-    finally:
-        for k in added:
-            os.environ.pop(k, None)
-
-
-class VllmAuxReference:
-    """vLLM 0.16's `LLM` with the model's EAGLE-3 aux-hidden-state capture on.
-
-    One sample per `generate(max_tokens=1)`, prefix caching off (a cached prefix
-    would skip rows); chunked prefill, if it splits a sample, gives the chunks in
-    order. The engine core runs in this process for a single-GPU model (faster
-    start; no function shipping), else in vLLM's worker processes. On the CPU
-    build the KV cache defaults to 1 GiB here (VLLM_CPU_KVCACHE_SPACE to change).
-    """
-
-    name = "vllm-aux"
-
-    def __init__(self, cfg: Any, info: Any, layer_ids: list[int]):
-        m = cfg.model
-        if info.architecture not in VLLM_AUX_ARCHS:
-            raise VerifyError(f"vLLM 0.16's aux-hidden-state path covers {VLLM_AUX_ARCHS}, "
-                              f"not {info.architecture}")
-        if int(m.pipeline_parallel_size) > 1:
-            raise VerifyError("the vLLM aux path counts layers from the pipeline stage's start: "
-                              "verify with model.pipeline_parallel_size=1")
-        self.layer_ids = [k for k in layer_ids if k < info.num_layers]
-        if not self.layer_ids:
-            raise VerifyError(f"the vLLM aux path cannot give layer id {info.num_layers} (the "
-                              "final pre-norm state), the only id of this run")
-        from omegaconf import OmegaConf
-        from vllm import LLM
-        from vllm.platforms import current_platform
-
-        kw: dict[str, Any] = dict(
-            model=info.path, skip_tokenizer_init=True,
-            dtype=str(info.dtype).removeprefix("torch."),
-            trust_remote_code=bool(m.trust_remote_code), max_model_len=int(m.max_model_len),
-            tensor_parallel_size=int(m.tensor_parallel_size),
-            gpu_memory_utilization=float(m.gpu_memory_utilization),
-            enforce_eager=True, enable_prefix_caching=False, seed=0,
-            async_scheduling=False,  # no step scheduled past the one-token request
-        )
-        if m.quantization:
-            kw["quantization"] = m.quantization
-        # the run's own EngineArgs pass-through (an attention backend, custom ops), under ours
-        user = cfg.engine.get("vllm_args")
-        kw = {**(OmegaConf.to_container(user, resolve=True) if user else {}), **kw}
-        if current_platform.is_cpu():
-            kw["compilation_config"] = {"custom_ops": ["none"]}  # as engine/vllm.py
-        single = int(m.tensor_parallel_size) == 1
-        env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"} if single else {
-            # apply_model ships our capture function to the worker processes.
-            "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
-        # For the reference's lifetime: vLLM reads them at each call, not only at start.
-        self._env = ExitStack()
-        self._env.enter_context(_env(VLLM_CPU_KVCACHE_SPACE="1", **env))
-        try:
-            self.llm = LLM(**kw)
-            ok = self.llm.apply_model(partial(_install_aux_capture,
-                                              ids=tuple(self.layer_ids)))
-        except BaseException:
-            self.close()
-            raise
-        if not all(ok):
-            self.close()
-            raise VerifyError(f"{info.architecture}: the loaded vLLM model has no "
-                              "set_aux_hidden_state_layers")
-
-    def states(self, samples: list[Sample]) -> list[torch.Tensor]:
-        from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
-
-        params = SamplingParams(max_tokens=1, detokenize=False)
-        out = []
-        self.llm.apply_model(_take_aux)  # drop anything captured before
-        for s in samples:
-            self.llm.generate([TokensPrompt(prompt_token_ids=list(s.input_ids))], params,
-                              use_tqdm=False)
-            chunks = self.llm.apply_model(_take_aux)[0]  # every TP rank holds the full state
-            st = torch.cat(chunks, dim=0) if chunks else torch.empty(0)
-            if st.shape[0] != len(s):
-                raise RuntimeError(f"vLLM aux path gave {st.shape[0]} rows for {len(s)} tokens "
-                                   f"of sample {s.index}")
-            out.append(st)
-        return out
-
-    def close(self) -> None:
-        llm = self.__dict__.pop("llm", None)
-        if llm is not None:
-            llm.llm_engine.engine_core.shutdown()
-            del llm
-            from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
-
-            cleanup_dist_env_and_memory()  # also drops vLLM's env cache and gc.freeze
-        self._env.close()
-
-
-REFERENCES = {"hf": HFReference, "vllm-aux": VllmAuxReference}
 
 
 # --- comparison -----------------------------------------------------------------------
@@ -382,7 +185,8 @@ def _r(x: float) -> float | str:
     return round(x, 6) if math.isfinite(x) else "inf"
 
 
-def dataset_check(cfg: Any, info: Any, samples: dict[int, Sample]) -> dict[str, Any]:
+def dataset_check(ds: DatasetConfig, model: ModelConfig, info: Any,
+                  samples: dict[int, Sample]) -> dict[str, Any]:
     """Re-derive the chosen samples' tokens and loss masks from the dataset itself.
 
     Catches a file that holds another sample's tokens (index mix-up). Skipped,
@@ -394,10 +198,9 @@ def dataset_check(cfg: Any, info: Any, samples: dict[int, Sample]) -> dict[str, 
         from eagle3_extract.dataset.samples import load_tokenizer, seeded_order, tokenize_rows
         from eagle3_extract.dataset.rows import read_nonempty
 
-        ds = cfg.dataset
         rows = read_nonempty(ds)
         order = seeded_order(len(rows), int(ds.seed), bool(ds.shuffle), ds.max_samples)
-        renderer = Renderer(load_tokenizer(info.tokenizer_path, bool(cfg.model.trust_remote_code)))
+        renderer = Renderer(load_tokenizer(info.tokenizer_path, bool(model.trust_remote_code)))
     except Exception as e:  # noqa: BLE001 - reported, not fatal: the states still compare
         return {"checked": 0, "skipped": f"{type(e).__name__}: {str(e)[:300]}", "failures": []}
     fails = []
@@ -405,7 +208,7 @@ def dataset_check(cfg: Any, info: Any, samples: dict[int, Sample]) -> dict[str, 
         if index >= len(order):
             fails.append(f"sample {index}: beyond the dataset's {len(order)} selected rows")
             continue
-        t = tokenize_rows(rows, [order[index]], renderer, max_length(cfg), str(ds.overlong),
+        t = tokenize_rows(rows, [order[index]], renderer, max_length(ds, model), str(ds.overlong),
                           max_row_bytes=getattr(ds, "max_row_bytes", None))
         if len(t) != 1:
             fails.append(f"sample {index}: the dataset row is now skipped ({t.report['skipped']})")
@@ -434,14 +237,14 @@ def _load(path: Path, fmt: str, index: int, num_layers: int) -> tuple[Sample, to
     return sample, states
 
 
-def _model(cfg: Any, man: Manifest) -> tuple[Any, list[str]]:
+def _model(model: ModelConfig, man: Manifest) -> tuple[Any, list[str]]:
     """The model the overrides point at, checked against the one the data came from."""
     from eagle3_extract.engine import inspect_model
 
     try:
-        info = inspect_model(cfg.model)
+        info = inspect_model(model)
     except (ValueError, OSError) as e:
-        msg = str(e) if "model.path" in str(e) else f"model.path={cfg.model.path!r}: {e}"
+        msg = str(e) if "model.path" in str(e) else f"model.path={model.path!r}: {e}"
         raise VerifyError(f"{msg} (override model.path=... if the model moved)") from e
     want = man.model
     if (info.num_layers, info.hidden_size) != (want["num_layers"], want["hidden_size"]):
@@ -492,16 +295,17 @@ def verify(root: str | Path, overrides: list[str] | None = None, samples: int = 
     """
     t0 = time.perf_counter()
     root = Path(root).resolve()
-    manifests, problems = load_manifests(root)
+    state = run_state(root, check_links=False)
+    manifests, problems = state.manifests, state.problems
     if not manifests:
         raise VerifyError(f"{root}: {problems[0].message if problems else 'no manifest'}")
     # (stale manifests of an earlier shard layout are eagle3-validate's to report)
     man = manifests[0]
     cfg = build_config(man, list(overrides or []))
     layer_ids = [int(k) for k in man.layer_ids]
-    info, warnings = _model(cfg, man)
+    info, warnings = _model(cfg.model, man)
     moe = is_moe(info.path)
-    storage = Storage.from_output((man.config or {}).get("output") or {})
+    storage = man.storage
     tols = replace(tolerance(man.model["dtype"], moe, storage),
                    **{k: v for k, v in (tol or {}).items() if v is not None})
     loaded, chosen, failures = _choose(root, manifests, samples, seed)
@@ -512,7 +316,7 @@ def verify(root: str | Path, overrides: list[str] | None = None, samples: int = 
         "seed": seed, "tolerance": {"median": tols.median, "mean": tols.mean, "max": _r(tols.max)},
         "data_engine": (man.engine or {}).get("name"), "references": {},
     }
-    report["dataset"] = dataset_check(cfg, info, {i: s for i, (s, _) in loaded.items()})
+    report["dataset"] = dataset_check(cfg.dataset, cfg.model, info, {i: s for i, (s, _) in loaded.items()})
     failures += report["dataset"]["failures"]
 
     if references and sorted(set(references) - set(REFERENCES)):
@@ -524,7 +328,7 @@ def verify(root: str | Path, overrides: list[str] | None = None, samples: int = 
                             "independent check")
         if isinstance(ref, str):
             try:
-                ref = REFERENCES[name](cfg, info, layer_ids)
+                ref = REFERENCES[name](cfg.engine, cfg.model, info, layer_ids)
             except (VerifyError, ImportError) as e:
                 if references:  # asked for by name: it must run
                     raise VerifyError(f"reference {name}: {e}") from e
@@ -653,7 +457,7 @@ def print_report(report: dict[str, Any], out=None, limit: int = 40) -> None:
         print_items(kind, [str(f) for f in report[kind]], limit, out)
 
 
-@quiet_on_broken_pipe
+@command("eagle3-verify")
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         prog="eagle3-verify",
@@ -674,17 +478,8 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"override the bound on the {stat} per-token relative error")
     ap.add_argument("--no-report", action="store_true", help=f"do not write DIR/{REPORT_NAME}")
     args = ap.parse_intermixed_args(argv)  # options before or after the overrides
-    try:
-        report = verify(args.dir, args.overrides, args.samples, args.seed, args.reference,
-                        tol={"median": args.tol_median, "mean": args.tol_mean,
-                             "max": args.tol_max})
-    except VerifyError as e:
-        print(f"eagle3-verify: error: {e}", file=sys.stderr)
-        return 2
-    except PermissionError as e:
-        print(f"eagle3-verify: error: {e.filename or args.dir}: cannot be read ({e.strerror}); "
-              "fix its permissions", file=sys.stderr)
-        return 2
+    report = verify(args.dir, args.overrides, args.samples, args.seed, args.reference,
+                    tol={"median": args.tol_median, "mean": args.tol_mean, "max": args.tol_max})
     print_report(report)
     if not args.no_report:
         path = write_report(Path(args.dir), REPORT_NAME, report)

@@ -68,7 +68,6 @@ class SkipRow(Exception):
         self.detail = detail
 
 
-
 def _text(content: Any) -> str:
     if isinstance(content, str):
         return content

@@ -319,7 +319,6 @@ def read_rows(ds: Any) -> Sequence[Any]:
         ) from e
 
 
-
 def read_nonempty(ds: Any) -> Sequence[Any]:
     rows = read_rows(ds)
     if not rows:

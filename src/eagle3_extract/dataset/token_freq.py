@@ -17,7 +17,6 @@ import numpy as np
 from eagle3_extract.layout import D2T_NPY, T2D_NPY, VOCAB_DIR, atomic_write
 
 
-
 def _bincount_into(acc: np.ndarray, ids: np.ndarray) -> np.ndarray:
     c = np.bincount(ids) if len(ids) else np.zeros(0, dtype=np.int64)
     if len(c) > len(acc):

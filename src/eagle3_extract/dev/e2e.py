@@ -105,7 +105,7 @@ def post_norm_last_layer(root: Path) -> int:
     from safetensors import safe_open
 
     from eagle3_extract.layout import sample_temp
-    from eagle3_extract.extract.writer import save_safetensors
+    from eagle3_extract.safetensors_file import save_safetensors
 
     manifest = json.loads((root / MANIFEST_JSON).read_text())
     model = Path(manifest["model"]["resolved_path"])

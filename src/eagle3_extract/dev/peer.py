@@ -73,7 +73,7 @@ def _first_file(root: Path, stop: threading.Event, seen: list[float]) -> None:
 
 def run_ours(out: Path, overrides: list[str], threads: int) -> Side:
     """Our job as a user runs it (eagle3-extract), timed from its launch."""
-    from eagle3_extract.check.run_dir import complete_run
+    from eagle3_extract.check.run_dir import run_state
 
     cmd = [str(Path(sys.executable).with_name("eagle3-extract")), f"output.dir={out}",
            *overrides]
@@ -88,10 +88,10 @@ def run_ours(out: Path, overrides: list[str], threads: int) -> Side:
     if proc.returncode != 0:
         last = (proc.stderr or proc.stdout).strip().splitlines()[-1:]
         raise PeerError(f"our job failed with exit status {proc.returncode}: {last}")
-    manifests, problem = complete_run(out)
-    if problem:
-        raise PeerError(f"our run in {out} is incomplete: {problem}")
-    m = manifests[0]
+    state = run_state(out)
+    if state.why:
+        raise PeerError(f"our run in {out} is incomplete: {state.why}")
+    m = state.manifests[0]
     timings = dict(m.timings or {})
     timings["first_file_s"] = round(seen[0] - t0, 3) if seen else None
     timings["wall_s"] = round(t_end - t0, 3)
@@ -180,7 +180,8 @@ def side_by_side(out: Path, overrides: list[str], threads: int = 2,
                  vllm_args: list[str] | None = None) -> dict[str, Any]:
     """Both sides on one job's config (Hydra overrides) and the comparison."""
     from eagle3_extract.manifest import Manifest
-    from eagle3_extract.check.verify import is_moe, tolerance
+    from eagle3_extract.check.reference import is_moe
+    from eagle3_extract.check.verify import tolerance
 
     ours = run_ours(out / "ours", overrides, threads)
     m = Manifest.read(out / "ours" / MANIFEST_JSON)

@@ -19,19 +19,19 @@ from eagle3_extract.layout import file_problem, safetensors_header
 CONFIG, WEIGHTS = "config.json", "model.safetensors"
 
 
-def _config_numbers(cfg: dict[str, Any]) -> dict[str, int]:
-    tl = cfg["transformer_layer_config"]
+def _config_numbers(config: dict[str, Any]) -> dict[str, int]:
+    tl = config["transformer_layer_config"]
     h, heads = int(tl["hidden_size"]), int(tl["num_attention_heads"])
     return {"hidden": h, "heads": heads, "kv_heads": int(tl["num_key_value_heads"]),
             "head_dim": int(tl.get("head_dim") or h // heads),
             "inter": int(tl["intermediate_size"]), "layers": int(tl["num_hidden_layers"]),
-            "vocab": int(cfg["draft_vocab_size"])}
+            "vocab": int(config["draft_vocab_size"])}
 
 
-def expected_shapes(cfg: dict[str, Any], target_hidden: int | None) -> dict[str, list]:
+def expected_shapes(config: dict[str, Any], target_hidden: int | None) -> dict[str, list]:
     """The tensors vLLM 0.16's Eagle3LlamaForCausalLM loads, with the shapes the config
     implies (None: a dimension the config does not fix)."""
-    n = _config_numbers(cfg)
+    n = _config_numbers(config)
     h, q, kv = n["hidden"], n["heads"] * n["head_dim"], n["kv_heads"] * n["head_dim"]
     want: dict[str, list] = {
         "fc.weight": [h, 3 * target_hidden if target_hidden else None],

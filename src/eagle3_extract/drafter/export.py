@@ -20,7 +20,6 @@ venv-train, venv-specforge, venv-modelopt), none this one.
 from __future__ import annotations
 
 import argparse
-import errno
 import json
 import os
 import shutil
@@ -33,13 +32,13 @@ from typing import Any
 
 import torch
 
-from eagle3_extract.errors import quiet_on_broken_pipe
-from eagle3_extract.check.run_dir import DamagedSample, complete_run, missing_samples, read_checked
+from eagle3_extract.entry import command
+from eagle3_extract.errors import PreflightError
+from eagle3_extract.check.run_dir import DamagedSample, missing_samples, read_checked, run_state
 from eagle3_extract.drafter import export_formats as formats
 from eagle3_extract.drafter.export_formats import FORMATS, POST_NORM, FormatError
-from eagle3_extract.extract.writer import save_safetensors
-from eagle3_extract.layout import (EXPORT_JSON, SCALES_KEY, STATES_KEY, VOCAB_DIR, Storage,
-                                   atomic_write, links, remove_temps, temp_path, verified_files)
+from eagle3_extract.safetensors_file import save_safetensors
+from eagle3_extract.layout import (EXPORT_JSON, SCALES_KEY, STATES_KEY, VOCAB_DIR, atomic_write, remove_temps, temp_path, verified_files)
 from eagle3_extract.lock import _try_flock
 from eagle3_extract.manifest import file_sha256, write_json_atomic
 from eagle3_extract.quant import states_of, states_tensor
@@ -49,8 +48,8 @@ FORMAT_NAMES = {"speculators": "speculators-0.9", "specforge": "specforge-0.2",
 JOURNAL = "export-journal.jsonl"  # in the partial dir: its identity, then a line per row
 
 
-class ExportError(Exception):
-    pass
+class ExportError(PreflightError):
+    """The extraction cannot be exported as it is (what to fix is in the line): exit 2."""
 
 
 def partial_dir(out: Path) -> Path:
@@ -87,18 +86,18 @@ def _checked_source(root: Path, out: Path) -> tuple[list, dict, str, bool]:
         raise ExportError(f"{out} is inside {root} (or holds it): give an OUT outside the "
                           "extraction, whose directory must hold only what the job wrote")
     try:
-        manifests, why = complete_run(root)
+        state = run_state(root)
     except PermissionError as e:
         raise ExportError(f"{e.filename or root}: cannot be read ({e.strerror}); fix its "
                           "permissions") from e
-    if why:
-        raise ExportError(f"{root}: {why}; finish the extraction first (eagle3-status)")
+    missing = state.missing[:-1] if state.links else state.missing  # links: their own fix
+    if missing:
+        raise ExportError(f"{root}: {missing[0]}; finish the extraction first (eagle3-status)")
+    if state.links:
+        raise ExportError(f"{root}: {state.missing[-1]}")
+    manifests = state.manifests
     fmt = str(manifests[0].config["output"]["format"])
-    fp8 = Storage.from_output(manifests[0].config["output"]).fp8
-    linked = links(root)
-    if linked:
-        raise ExportError(f"{root}: {len(linked)} symbolic links where the run's files belong "
-                          f"(e.g. {linked[0]}); rerun the extraction to replace them")
+    fp8 = manifests[0].storage.fp8
     whole, damaged = verified_files(root, fmt)
     if damaged:
         raise ExportError(f"{root}: {len(damaged)} sample files are not whole (e.g. index "
@@ -414,7 +413,7 @@ def export_problem(out: Path) -> str | None:
     return None
 
 
-@quiet_on_broken_pipe
+@command("eagle3-export", os_errors=True)
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="eagle3-export", description=__doc__.splitlines()[0])
     ap.add_argument("dir", type=Path, help="an extraction's output.dir")
@@ -425,22 +424,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="the checkpoint the extraction ran on, for the final norm the "
                          "specforge and modelopt layouts apply (default: the manifest's)")
     args = ap.parse_args(argv)
-    try:
-        rec = export(args.dir.resolve(), args.out.resolve(), args.format, args.model)
-    except ExportError as e:
-        print(f"eagle3-export: error: {e}", file=sys.stderr)
-        return 2
-    except PermissionError as e:
-        print(f"eagle3-export: error: {e.filename or args.dir}: cannot be read or written "
-              f"({e.strerror}); fix its permissions", file=sys.stderr)
-        return 2
-    except OSError as e:  # the disk, not the code: one line, and the rerun resumes
-        hint = ("free space there and rerun the same command: the rows written are kept"
-                if e.errno in (errno.ENOSPC, errno.EDQUOT) else
-                "fix that and rerun the same command: the rows written are kept")
-        print(f"eagle3-export: error: {e.filename or args.out}: {e.strerror or e}; {hint}",
-              file=sys.stderr)
-        return 1
+    # the disk, not the code (a full one included): one line, and the rerun resumes
+    rec = export(args.dir.resolve(), args.out.resolve(), args.format, args.model)
     resumed = f", {rec['resumed_rows']} kept from a killed export" if rec["resumed_rows"] else ""
     print(f"eagle3-export: {rec['rows']} rows in {args.out} ({rec['format']}{resumed}) in "
           f"{rec['seconds']} s")

@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from eagle3_extract.config import ConfigError, validate_train
+from eagle3_extract.config import ConfigError, TrainSettings, validate_train
 from eagle3_extract.errors import JobError, PreflightError
 from eagle3_extract.drafter.checkpoint import CONFIG, WEIGHTS, drafter_problem
 from eagle3_extract.drafter.export import ExportError, export, export_problem
@@ -46,7 +46,7 @@ from eagle3_extract.lock import ShardLock
 from eagle3_extract.manifest import (check_run_json, file_sha256, with_run_id, write_json_atomic,
                        write_run_json)
 from eagle3_extract.dataset.token_freq import draft_vocab
-from eagle3_extract.check.run_dir import complete_run
+from eagle3_extract.check.run_dir import run_state
 
 log = logging.getLogger("eagle3_extract")
 
@@ -66,7 +66,11 @@ _TOP_KEYS = {"fc.weight", "norm.weight", "lm_head.weight", "embed_tokens.weight"
 
 @dataclass
 class Plan:
-    cfg: Any
+    """What preflight established: the train group (not the job's whole config), the
+    extraction it reads, the trainer it runs."""
+
+    train: TrainSettings
+    verbose: bool
     data: Path
     out: Path
     manifest: Any
@@ -135,10 +139,10 @@ def preflight(cfg: Any) -> Plan:
     out = Path(str(cfg.output.dir)).expanduser().resolve()
     if not data.is_dir():
         raise ConfigError(f"data.dir={str(data)!r} does not exist: give an extraction's output.dir")
-    manifests, why = complete_run(data)
-    if why:
-        raise PreflightError(f"data.dir={str(data)!r}: {why}; finish the extraction first")
-    m = manifests[0]
+    state = run_state(data)
+    if state.why:
+        raise PreflightError(f"data.dir={str(data)!r}: {state.why}; finish the extraction first")
+    m = state.manifests[0]
     fmt = str(m.config["output"]["format"])
     if fmt != "safetensors":
         raise PreflightError(f"data.dir: output.format={fmt}; eagle3-train exports "
@@ -184,7 +188,7 @@ def preflight(cfg: Any) -> Plan:
     out.mkdir(parents=True, exist_ok=True)
     if not os.access(out, os.W_OK):
         raise ConfigError(f"output.dir={str(out)!r} is not writable")
-    plan = Plan(cfg, data, out, m, layer_ids, served, verifier, device, versions, identity,
+    plan = Plan(cfg.train, bool(cfg.verbose), data, out, m, layer_ids, served, verifier, device, versions, identity,
                 python=python)
     plan.lock = ShardLock.acquire(out, (0, 1))
     try:
@@ -221,7 +225,7 @@ def _export(plan: Plan) -> Path:
 
 
 def _vocab(plan: Plan) -> tuple[Path, Path, int]:
-    size = plan.cfg.train.draft_vocab_size
+    size = plan.train.draft_vocab_size
     src = plan.data / VOCAB_DIR
     if size is None:
         d2t = np.load(src / D2T_NPY)
@@ -239,7 +243,7 @@ def _vocab(plan: Plan) -> tuple[Path, Path, int]:
 
 def trainer_args(plan: Plan, export_dir: Path, d2t: Path, t2d: Path) -> list[str]:
     """`speculators train` flags, spelled as its CLI spells them."""
-    t = plan.cfg.train
+    t = plan.train
     args = ["--speculator-type", "eagle3", "--verifier-name-or-path", str(plan.verifier),
             "--data-path", str(export_dir), "--save-path", str(plan.out / CKPT_DIR),
             "--log-dir", str(plan.out / "logs" / "trainer"),
@@ -279,10 +283,10 @@ def _run_trainer(plan: Plan, args: list[str]) -> None:
     logf = plan.out / "train.log"
     # -P: the launcher's own dir (this package, whose types.py would shadow the stdlib's)
     # stays off sys.path
-    cmd = [plan.python or trainer_python(str(plan.cfg.train.python)), "-P", str(launcher), *args]
+    cmd = [plan.python or trainer_python(str(plan.train.python)), "-P", str(launcher), *args]
     env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
     env.pop("PYTHONPATH", None)  # nothing of the vLLM environment leaks into the trainer's
-    verbose = bool(plan.cfg.verbose)
+    verbose = plan.verbose
     t0, last = time.monotonic(), 0.0
     with open(logf, "a") as f:
         f.write(f"\n# {time.strftime('%Y-%m-%dT%H:%M:%S%z')} {' '.join(cmd)}\n")
@@ -297,7 +301,7 @@ def _run_trainer(plan: Plan, args: list[str]) -> None:
                     sys.stdout.write(line)
                 elif time.monotonic() - last > 30:
                     last = time.monotonic()
-                    print(f"{PROG}: training ({_epochs_done(plan)}/{plan.cfg.train.epochs} "
+                    print(f"{PROG}: training ({_epochs_done(plan)}/{plan.train.epochs} "
                           f"epochs saved, {last - t0:.0f} s)", flush=True)
             rc = proc.wait()
         except BaseException:  # a signal (SIGTERM raises Interrupted, see run) or an error
@@ -436,10 +440,10 @@ def run(cfg: Any) -> dict[str, Any]:
         export_dir = _export(plan)
         d2t, t2d, size = _vocab(plan)
         _drop_damaged_checkpoints(plan)
-        if _epochs_done(plan) < int(plan.cfg.train.epochs):  # a rerun resumes from the last
+        if _epochs_done(plan) < int(plan.train.epochs):  # a rerun resumes from the last
             _run_trainer(plan, trainer_args(plan, export_dir, d2t, t2d))
         else:
-            print(f"{PROG}: all {plan.cfg.train.epochs} epochs saved: not retrained", flush=True)
+            print(f"{PROG}: all {plan.train.epochs} epochs saved: not retrained", flush=True)
         ckpt = _last_checkpoint(plan)
         record = _publish(plan, ckpt, plan.trainer_versions, time.monotonic() - t0)
         print(f"{PROG}: drafter in {plan.out / DRAFTER_DIR} (epoch checkpoint {ckpt.name}, "

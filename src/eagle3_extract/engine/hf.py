@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -20,13 +20,16 @@ from eagle3_extract.types import Batch, ExtractedBatch
 from eagle3_extract.engine import ModelInfo
 from eagle3_extract.engine.layers import attach_capture, find_decoder_layers
 
+if TYPE_CHECKING:  # the schema's groups, as the job hands them (DictConfig at run time)
+    from eagle3_extract.config import EngineConfig, ModelConfig
+
 
 class HFEngine:
-    def __init__(self, cfg: Any, info: ModelInfo, layer_ids: list[int],
-                 storage: Storage | None = None):
+    def __init__(self, engine: EngineConfig, model: ModelConfig, info: ModelInfo,
+                 layer_ids: list[int], storage: Storage):
         from transformers import AutoModelForCausalLM
 
-        device = getattr(cfg.engine, "device", "auto")
+        device = getattr(engine, "device", "auto")
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
         self.device = torch.device(device)
@@ -34,14 +37,12 @@ class HFEngine:
         self.num_layers = info.num_layers
         self.hidden_size = info.hidden_size
         self.dtype = info.dtype
-        if storage is None:
-            storage = Storage.from_output(cfg.output) if hasattr(cfg, "output") else Storage()
         self.storage = storage
         self._stored = self.storage.stored_dtype(info.dtype)
         self.model = AutoModelForCausalLM.from_pretrained(
             info.path,
             torch_dtype=info.dtype,
-            trust_remote_code=bool(cfg.model.trust_remote_code),
+            trust_remote_code=bool(model.trust_remote_code),
         ).to(self.device)
         self.model.eval()
         _, self.layers = find_decoder_layers(self.model)
@@ -54,8 +55,8 @@ class HFEngine:
         self._hooks = attach_capture(self.layers, self.layer_ids, self._sink)
         # Reused (pinned on CUDA) host slots, as the vLLM engine has: a fresh
         # pageable allocation per sample made the copy cost 38% of prefill on an H200.
-        rows = int(getattr(cfg.engine, "token_budget", 0) or 0)
-        slots = max(1, int(getattr(cfg.engine, "host_buffers", 2) or 2))
+        rows = int(getattr(engine, "token_budget", 0) or 0)
+        slots = max(1, int(getattr(engine, "host_buffers", 2) or 2))
         pin = self.device.type == "cuda"
         self._host = [
             torch.empty((rows, len(self.layer_ids), self.hidden_size), dtype=self._stored,

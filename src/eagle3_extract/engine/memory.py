@@ -15,9 +15,12 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from eagle3_extract.quant import FP8_CHUNK_ROWS
+
+if TYPE_CHECKING:  # the schema's groups, as the job hands them (DictConfig at run time)
+    from eagle3_extract.config import EngineConfig, ModelConfig
 
 log = logging.getLogger(__name__)
 
@@ -154,21 +157,22 @@ def check_fits(plan: CapturePlan, cards: list[Card], utilization: float, tp: int
     return None
 
 
-def check_capture_memory(cfg: Any, info: Any, layer_ids: list[int], scale_cols: int,
+def check_capture_memory(engine: EngineConfig, model: ModelConfig, info: Any,
+                         layer_ids: list[int], scale_cols: int,
                          cards: list[Card] | None = None) -> CapturePlan | None:
     """Preflight: refuse (ValueError, one line) a vLLM engine on GPUs whose capture cannot
     fit beside vLLM's share; the plan where it was checked, else None (no NVIDIA GPU)."""
-    if cfg.engine.name != "vllm" or str(cfg.engine.device) == "cpu":
+    if engine.name != "vllm" or str(engine.device) == "cpu":
         return None
     cards = visible_cards() if cards is None else cards
     if not cards:
         return None
     # engine/vllm.py's max_num_batched_tokens: a step fits a whole prompt
-    budget = max(int(cfg.engine.token_budget), int(cfg.model.max_model_len))
+    budget = max(int(engine.token_budget), int(model.max_model_len))
     plan = capture_plan(budget, len(layer_ids), int(info.hidden_size),
                         info.dtype.itemsize, scale_cols)
-    why = check_fits(plan, cards, float(cfg.model.gpu_memory_utilization),
-                     int(cfg.model.tensor_parallel_size), int(cfg.model.pipeline_parallel_size))
+    why = check_fits(plan, cards, float(model.gpu_memory_utilization),
+                     int(model.tensor_parallel_size), int(model.pipeline_parallel_size))
     if why:
         raise ValueError(why)
     return plan

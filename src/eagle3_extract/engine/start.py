@@ -17,11 +17,14 @@ import os
 import signal
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING
 
 from eagle3_extract.layout import Storage
 from eagle3_extract.models.config import ModelInfo
 from eagle3_extract.types import Engine
+
+if TYPE_CHECKING:  # the schema's groups, as the job hands them (DictConfig at run time)
+    from eagle3_extract.config import EngineConfig, ModelConfig
 
 log = logging.getLogger(__name__)
 
@@ -30,38 +33,39 @@ KILL_AFTER_S = 5.0
 JOIN_S = 60.0  # a start thread still running this long after its processes ended: leave it
 
 
-def starts_apart(cfg: Any) -> bool:
+def starts_apart(engine: EngineConfig) -> bool:
     """Whether the engine can start in a thread and run in the main one: vLLM's workers in
     processes of their own (mp, ray), or the HF engine. An in-process vLLM worker (the
     uni executor, vLLM's choice for one device when none is named) sets per-thread state
     where it starts: torch's CPU threads and affinity, the CUDA device; the CPU attention
     then refuses a forward from another thread (thread_num 2 vs. 1)."""
-    if str(cfg.engine.name) == "hf":
+    if str(engine.name) == "hf":
         return True
-    return str(cfg.engine.distributed_executor_backend) in ("mp", "ray")
+    return str(engine.distributed_executor_backend) in ("mp", "ray")
 
 
-def build_engine(cfg: Any, info: ModelInfo, layer_ids: list[int],
-                 storage: Storage | None = None) -> Engine:
-    """`storage`: how the states are stored, as the job's preflight built it (None: from
-    cfg.output, for callers without a plan)."""
-    name = cfg.engine.name
+def build_engine(engine: EngineConfig, model: ModelConfig, info: ModelInfo,
+                 layer_ids: list[int], storage: Storage, verbose: bool = False) -> Engine:
+    """The engine of `engine.name`, from its own config groups; `storage`: how the states
+    are stored, as the job's preflight built it (layout.Storage, made once per job);
+    `verbose`: vLLM's weight-loading progress bar."""
+    name = engine.name
     if name == "hf":
         from eagle3_extract.engine.hf import HFEngine
 
-        return HFEngine(cfg, info, layer_ids, storage)
+        return HFEngine(engine, model, info, layer_ids, storage)
     if name == "vllm":
         from eagle3_extract.engine.vllm import VllmEngine
 
-        return VllmEngine(cfg, info, layer_ids, storage)
+        return VllmEngine(engine, model, info, layer_ids, storage, verbose)
     raise ValueError(f"engine={name!r}: choose engine=vllm or engine=hf")
 
 
 class EngineStart:
-    """`build_engine(cfg, info, layer_ids, storage)` in a thread, started now."""
+    """`build_engine(engine, model, info, layer_ids, storage)` in a thread, started now."""
 
-    def __init__(self, cfg: Any, info: Any, layer_ids: list[int],
-                 storage: Storage | None = None):
+    def __init__(self, engine: EngineConfig, model: ModelConfig, info: ModelInfo,
+                 layer_ids: list[int], storage: Storage, verbose: bool = False):
         # the kernel's clock for process start times (/proc/PID/stat): ticks since boot
         self._since = int(time.clock_gettime(time.CLOCK_BOOTTIME) * os.sysconf("SC_CLK_TCK"))
         self._lock = threading.Lock()
@@ -72,14 +76,15 @@ class EngineStart:
         self.waited_s = 0.0
         self._t0 = time.perf_counter()
         self._thread = threading.Thread(target=self._start,
-                                        args=(cfg, info, layer_ids, storage),
+                                        args=(engine, model, info, layer_ids, storage,
+                                              verbose),
                                         name="engine-start", daemon=True)
         self._thread.start()
 
-    def _start(self, cfg: Any, info: Any, layer_ids: list[int],
-               storage: Storage | None) -> None:
+    def _start(self, engine_cfg: EngineConfig, model: ModelConfig, info: ModelInfo,
+               layer_ids: list[int], storage: Storage, verbose: bool) -> None:
         try:
-            engine = build_engine(cfg, info, layer_ids, storage)
+            engine = build_engine(engine_cfg, model, info, layer_ids, storage, verbose)
         except BaseException as e:  # raised where the job takes the engine
             with self._lock:
                 self._error = e

@@ -23,7 +23,7 @@ import math
 import os
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -32,6 +32,9 @@ from eagle3_extract.types import Batch, ExtractedBatch
 from eagle3_extract.engine import ModelInfo, hostbuf
 from eagle3_extract.engine.memory import CAPTURE_SLACK_ROWS, capture_plan
 from eagle3_extract.engine.worker import QUALNAME
+
+if TYPE_CHECKING:  # the schema's groups, as the job hands them (DictConfig at run time)
+    from eagle3_extract.config import EngineConfig, ModelConfig
 
 # A call's device-to-host copy takes milliseconds; this long without its ready mark means
 # a worker is gone.
@@ -59,10 +62,12 @@ OWN_KEYS = {
 }
 
 
-def model_args(cfg: Any, info: ModelInfo) -> dict[str, Any]:
+def model_args(engine: EngineConfig, model: ModelConfig, info: ModelInfo,
+               verbose: bool = False) -> dict[str, Any]:
     """The EngineArgs fields our model and engine keys set, as vLLM spells them: one
-    definition for extraction and regeneration (same model, TP/PP, limits)."""
-    m, e = cfg.model, cfg.engine
+    definition for extraction, regeneration and acceptance (same model, TP/PP, limits).
+    `verbose`: the job's, for vLLM's weight-loading progress bar."""
+    m, e = model, engine
     args: dict[str, Any] = {
         "model": info.path,
         "tokenizer": info.tokenizer_path,
@@ -76,7 +81,7 @@ def model_args(cfg: Any, info: ModelInfo) -> dict[str, Any]:
         "max_num_batched_tokens": None if e.token_budget is None else int(e.token_budget),
         "enforce_eager": enforce_eager(e.enforce_eager),
         "seed": 0,
-        "use_tqdm_on_load": bool(getattr(cfg, "verbose", False)),
+        "use_tqdm_on_load": bool(verbose),
     }
     if getattr(m, "quantization", None):
         args["quantization"] = m.quantization
@@ -107,12 +112,13 @@ def enforce_eager(value: bool | None) -> bool:
     return not current_platform.is_cuda_alike()
 
 
-def engine_args(cfg: Any, info: ModelInfo) -> dict[str, Any]:
+def engine_args(engine: EngineConfig, model: ModelConfig, info: ModelInfo,
+                verbose: bool = False) -> dict[str, Any]:
     """The EngineArgs of an extraction job: the model's, the user's, then FIXED_ARGS."""
-    args = model_args(cfg, info)
+    args = model_args(engine, model, info, verbose)
     # Without chunked prefill a step must fit a whole prompt.
     args["max_num_batched_tokens"] = max(args["max_num_batched_tokens"], args["max_model_len"])
-    args.update(check_vllm_args(cfg))
+    args.update(check_vllm_args(engine))
     args.update(FIXED_ARGS)
     return args
 
@@ -128,7 +134,7 @@ def check_cpu_build() -> None:
         raise PreflightError(problem)
 
 
-def check_vllm_args(cfg: Any, fixed: dict[str, Any] = FIXED_ARGS) -> dict[str, Any]:
+def check_vllm_args(engine: EngineConfig, fixed: dict[str, Any] = FIXED_ARGS) -> dict[str, Any]:
     """`engine.vllm_args` as plain values, keys checked against vLLM's EngineArgs.
 
     Raises ConfigError naming the key: a typo must fail in preflight, not after
@@ -139,7 +145,7 @@ def check_vllm_args(cfg: Any, fixed: dict[str, Any] = FIXED_ARGS) -> dict[str, A
     from eagle3_extract.config import ConfigError
 
     check_cpu_build()  # a build for another CPU may not even load
-    raw = cfg.engine.vllm_args
+    raw = engine.vllm_args
     args = OmegaConf.to_container(raw, resolve=True) if OmegaConf.is_config(raw) else raw
     args = dict(args or {})
     fields = engine_arg_fields()
@@ -262,25 +268,25 @@ def check_replies(replies: list, num_columns: int) -> tuple[list, torch.Tensor]:
 
 
 class VllmEngine:
-    def __init__(self, cfg: Any, info: ModelInfo, layer_ids: list[int],
-                 storage: Storage | None = None):
+    def __init__(self, engine: EngineConfig, model: ModelConfig, info: ModelInfo,
+                 layer_ids: list[int], storage: Storage, verbose: bool = False):
         from vllm.engine.arg_utils import EngineArgs
         from vllm.v1.executor import Executor
 
         self.layer_ids = list(layer_ids)
         self.num_layers, self.hidden_size, self.dtype = info.num_layers, info.hidden_size, info.dtype
-        self.storage = storage or Storage.from_output(getattr(cfg, "output", {}))
+        self.storage = storage
         # The CPU worker of the in-process (uni) executor pins this process to its
         # cores; undone in close() so later jobs, writers and children get them all.
         self._affinity = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
         hostbuf.remove_orphans()
         quiet_known_warnings()
-        args = engine_args(cfg, info)
+        args = engine_args(engine, model, info, verbose)
         size_cpu_kv_cache(info, args["max_num_batched_tokens"] + args["max_model_len"])
         self.vllm_config = EngineArgs(**args).create_engine_config()
         self.executor = Executor.get_class(self.vllm_config)(self.vllm_config)
         try:
-            self._setup_capture(int(cfg.engine.host_buffers))
+            self._setup_capture(int(engine.host_buffers))
             self._setup_scheduler()
         except BaseException:
             self.close()

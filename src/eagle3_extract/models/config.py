@@ -64,12 +64,12 @@ def weights_problem(path: str | Path) -> str | None:
     return None
 
 
-def text_config(cfg: dict[str, Any]) -> dict[str, Any]:
-    return cfg.get("text_config") or cfg
+def text_config(hf_config: dict[str, Any]) -> dict[str, Any]:
+    return hf_config.get("text_config") or hf_config
 
 
-def is_moe(cfg: dict[str, Any]) -> bool:
-    text = text_config(cfg)
+def is_moe(hf_config: dict[str, Any]) -> bool:
+    text = text_config(hf_config)
     return any(text.get(k) for k in MOE_KEYS)
 
 
@@ -89,22 +89,22 @@ class ModelInfo:
     vocab_size: int | None = None
 
 
-def checkpoint_dtype(cfg: dict[str, Any]) -> str | None:
+def checkpoint_dtype(hf_config: dict[str, Any]) -> str | None:
     """The dtype a checkpoint was saved in (transformers >= 4.56 writes `dtype`)."""
-    for c in (text_config(cfg), cfg):
+    for c in (text_config(hf_config), hf_config):
         for key in ("dtype", "torch_dtype"):
             if c.get(key):
                 return str(c[key]).removeprefix("torch.")
     return None
 
 
-def _dtype(name: str | None, cfg: dict[str, Any]) -> torch.dtype:
+def _dtype(name: str | None, hf_config: dict[str, Any]) -> torch.dtype:
     if name in (None, "auto"):
-        name = checkpoint_dtype(cfg) or "bfloat16"
+        name = checkpoint_dtype(hf_config) or "bfloat16"
     dt = getattr(torch, str(name).replace("torch.", ""), None)
     if dt not in (torch.bfloat16, torch.float16, torch.float32):
         raise ValueError(f"model.dtype={name!r}: use bfloat16, float16 or float32")
-    if dt == torch.float16 and checkpoint_dtype(cfg) == "bfloat16":
+    if dt == torch.float16 and checkpoint_dtype(hf_config) == "bfloat16":
         # bf16-trained activations exceed float16's range in real models: the job would
         # stop at the first Inf, after the model load. Refuse now.
         raise ValueError("model.dtype=float16 for a bfloat16 checkpoint: its hidden states "

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from eagle3_extract.config import ConfigError, PreflightError
+from eagle3_extract.config import ConfigError, EngineConfig, ModelConfig, PreflightError
 from eagle3_extract.dataset.messages import (REGENERATED_TURNS, SKIP_REASONS, WEIGHT_KEY, SkipRow,
                                              to_messages)
 from eagle3_extract.dataset.render import Renderer
@@ -311,7 +311,7 @@ def close_llm(llm: Any) -> None:
         log.debug("engine shutdown: %s", e)
 
 
-def build_llm(cfg: Any, info: Any) -> Any:
+def build_llm(engine: EngineConfig, model: ModelConfig, info: Any, verbose: bool = False) -> Any:
     """vLLM's own `LLM`, with our model and engine keys and the user's vllm_args."""
     from vllm import LLM
 
@@ -319,8 +319,9 @@ def build_llm(cfg: Any, info: Any) -> Any:
     from eagle3_extract.engine.vllm import check_vllm_args, model_args, quiet_known_warnings, size_cpu_kv_cache
 
     quiet_known_warnings()
-    args = {k: v for k, v in model_args(cfg, info).items() if v is not None}  # None: vLLM's
-    args.update(check_vllm_args(cfg, fixed={}))
+    args = {k: v for k, v in model_args(engine, model, info, verbose).items()
+            if v is not None}  # None: vLLM's
+    args.update(check_vllm_args(engine, fixed={}))
     # the CPU build's KV cache as before this default changed (8,192 tokens a step assumed):
     # vLLM's scheduler admits what fits, and a laptop keeps its memory
     size_cpu_kv_cache(info, args.get("max_num_batched_tokens", 8192) + 2 * args["max_model_len"])

@@ -34,9 +34,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
-from eagle3_extract.config import PreflightError, validate_regenerate
+from eagle3_extract.config import (DatasetConfig, EngineConfig, GenerateConfig, ModelConfig,
+                                   PreflightError, validate_regenerate)
 from eagle3_extract.dataset.messages import GENERATED_KEY, REGENERATED_TURNS
 from eagle3_extract.dataset.render import Renderer
 from eagle3_extract.dataset.samples import load_tokenizer, seeded_order
@@ -111,7 +112,16 @@ def clean_temps(root: Path, shard: tuple[int, int]) -> int:
 
 @dataclass
 class Plan:
-    cfg: Any
+    """What preflight established: the config groups generation reads (not the job's whole
+    config; `resolved` is all of it, for the manifest), the data, this shard's work."""
+
+    engine: EngineConfig
+    model: ModelConfig
+    generate: GenerateConfig
+    shard: tuple[int, int]  # (index, count)
+    dry_run: bool
+    verbose: bool
+    resolved: dict[str, Any]
     root: Path
     info: Any
     tokenizer: Any
@@ -124,12 +134,8 @@ class Plan:
     lock: ShardLock | None = None
 
     @property
-    def shard(self) -> tuple[int, int]:
-        return int(self.cfg.shard.index), int(self.cfg.shard.count)
-
-    @property
     def size(self) -> int:
-        return int(self.cfg.generate.chunk_samples)
+        return int(self.generate.chunk_samples)
 
     def chunks(self) -> list[int]:
         n = len(self.order)
@@ -137,20 +143,19 @@ class Plan:
                 if chunk_indices(c, self.size, n, self.shard)]
 
 
-def identity(cfg: Any, info: Any, template_sha256: str, vocab: str) -> dict[str, Any]:
+def identity(model: ModelConfig, dataset: DatasetConfig, g: GenerateConfig, info: Any,
+             template_sha256: str, vocab: str) -> dict[str, Any]:
     """What determines the generated data (resume only into the same identity)."""
-    g = cfg.generate
     ident = {
         "kind": KIND,
-        "model": {"path": str(cfg.model.path), "config_sha256": info.config_sha256,
-                  "tiny_config": cfg.model.tiny_config if str(cfg.model.path) == "tiny"
-                  else None,
+        "model": {"path": str(model.path), "config_sha256": info.config_sha256,
+                  "tiny_config": model.tiny_config if str(model.path) == "tiny" else None,
                   "dtype": str(info.dtype).removeprefix("torch."),
-                  "quantization": cfg.model.quantization, "tokenizer": cfg.model.tokenizer,
+                  "quantization": model.quantization, "tokenizer": model.tokenizer,
                   "chat_template_sha256": template_sha256, "vocab_sha256": vocab,
-                  "max_model_len": int(cfg.model.max_model_len),
-                  "reasoning_parser": cfg.model.reasoning_parser},
-        "dataset": dataset_identity(cfg.dataset, int(cfg.model.max_model_len)),
+                  "max_model_len": int(model.max_model_len),
+                  "reasoning_parser": model.reasoning_parser},
+        "dataset": dataset_identity(dataset, int(model.max_model_len)),
         "generate": {k: g[k] for k in ("temperature", "top_p", "max_tokens", "seed", "turns",
                                        "reasoning", "on_max_tokens", "chunk_samples")},
     }
@@ -160,14 +165,15 @@ def identity(cfg: Any, info: Any, template_sha256: str, vocab: str) -> dict[str,
 def preflight(cfg: Any) -> Plan:
     from eagle3_extract.engine import inspect_model
     from eagle3_extract.engine.vllm import check_vllm_args
-    from eagle3_extract.extract.job import check_writable, resolve_config
+    from eagle3_extract.config import resolve_config
+    from eagle3_extract.layout import check_writable
 
     validate_regenerate(cfg)
-    resolve_config(cfg)
+    resolved = resolve_config(cfg)
     root = Path(os.path.abspath(os.path.expanduser(str(cfg.output.dir))))
     check_writable(root)
     rows = read_nonempty(cfg.dataset)
-    check_vllm_args(cfg, fixed={})
+    check_vllm_args(cfg.engine, fixed={})
     try:
         info = inspect_model(cfg.model)
     except (ValueError, OSError) as e:
@@ -180,7 +186,8 @@ def preflight(cfg: Any) -> Plan:
                                info.vocab_size)
     Renderer(tokenizer)  # raises if there is no chat template
     make_reasoning_parser(cfg.model.reasoning_parser, tokenizer)  # a wrong name fails here
-    ident = identity(cfg, info, chat_template_sha256(tokenizer), vocab_sha256(tokenizer))
+    ident = identity(cfg.model, cfg.dataset, cfg.generate, info,
+                     chat_template_sha256(tokenizer), vocab_sha256(tokenizer))
     resuming = check_run_json(root, ident)
     shard = (int(cfg.shard.index), int(cfg.shard.count))
     lock = ShardLock.acquire(root, shard)
@@ -200,7 +207,8 @@ def preflight(cfg: Any) -> Plan:
         raise
     order = seeded_order(len(rows), int(cfg.dataset.seed), bool(cfg.dataset.shuffle),
                          cfg.dataset.max_samples)
-    return Plan(cfg, root, info, tokenizer, rows, order, ident, [], {}, 0, lock)
+    return Plan(cfg.engine, cfg.model, cfg.generate, shard, bool(cfg.dry_run), bool(cfg.verbose),
+                resolved, root, info, tokenizer, rows, order, ident, [], {}, 0, lock)
 
 
 def scan_parts(plan: Plan) -> None:
@@ -260,24 +268,24 @@ def run(cfg: Any) -> dict[str, Any] | None:
 
 def _run(plan: Plan) -> dict[str, Any] | None:
     scan_parts(plan)
-    cfg, shard, n = plan.cfg, plan.shard, len(plan.order)
+    shard, n = plan.shard, len(plan.order)
     mine = sum(len(chunk_indices(c, plan.size, n, shard)) for c in plan.chunks())
     todo = sum(len(chunk_indices(c, plan.size, n, shard)) for c in plan.todo)
     log.info("preflight ok: %d samples for this shard, %d to generate (%d from before, %d part "
              "files redone)", mine, todo, mine - todo, plan.redone)
-    if bool(cfg.dry_run):
+    if plan.dry_run:
         log.info("dry_run: nothing generated")
         return None
     t0 = time.perf_counter()
     stats = {"prompt_tokens": 0, "generated_tokens": 0, "seconds": 0.0}
     if plan.todo:
-        llm = build_llm(cfg, plan.info)
+        llm = build_llm(plan.engine, plan.model, plan.info, plan.verbose)
         t_gen = time.perf_counter()
         try:
             limits = engine_limits(llm)
             # twice what the engine runs at once: its queue never empties while samples last
-            regen = Regenerator(llm, plan.tokenizer, cfg.generate, int(cfg.model.max_model_len),
-                                cfg.model.reasoning_parser,
+            regen = Regenerator(llm, plan.tokenizer, plan.generate,
+                                int(plan.model.max_model_len), plan.model.reasoning_parser,
                                 window=2 * limits["max_num_seqs"])
         except BaseException:
             close_llm(llm)  # else its engine process keeps this one from exiting
@@ -339,7 +347,7 @@ def assemble(plan: Plan) -> dict[str, Any] | None:
     outcomes = Counter({k: 0 for k in OUTCOMES})
     fidelity = {**{k: 0 for k in REGENERATED_TURNS}, "template_drift_examples": []}
     tokens = {"generated": 0, "prompt": 0, "turns": 0}
-    keep_cut = str(plan.cfg.generate.on_max_tokens) == "keep"
+    keep_cut = str(plan.generate.on_max_tokens) == "keep"
     # the last of several shards assembles it
     with atomic_write(plan.root / CONVERSATIONS, "w") as f:
         for r in records:
@@ -367,10 +375,10 @@ def assemble(plan: Plan) -> dict[str, Any] | None:
         "run_id": plan.ident["run_id"],
         "finished": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "identity": plan.ident,
-        "model": {"path": str(plan.cfg.model.path), "resolved_path": plan.info.path,
+        "model": {"path": str(plan.model.path), "resolved_path": plan.info.path,
                   "architecture": plan.info.architecture,
                   "config_sha256": plan.info.config_sha256},
-        "config": OmegaConf.to_container(plan.cfg, resolve=True),
+        "config": plan.resolved,
         "counts": {"selected": n, "written": written, "outcomes": dict(outcomes)},
         "tokens": tokens,
         # written turns by how extraction gets their ids back: exact (the template's
@@ -409,13 +417,13 @@ def this_run(stats: list[dict[str, Any]]) -> dict[str, Any]:
 
 def _regenerate(cfg: DictConfig) -> None:
     if int(cfg.parallel.data_parallel_size) > 1:
-        from eagle3_extract.extract import parallel
+        from eagle3_extract.replicas import launch_hydra_job
 
-        rc = parallel.launch_hydra_job(cfg, launch)
+        rc = launch_hydra_job(cfg, launch)
         if rc:
             sys.exit(rc)
         return
-    from eagle3_extract.extract.parallel import die_with_launcher
+    from eagle3_extract.replicas import die_with_launcher
 
     die_with_launcher()
     run(cfg)
@@ -424,14 +432,16 @@ def _regenerate(cfg: DictConfig) -> None:
 def launch(cfg: Any, overrides: list[str], log_root: Path) -> int:
     """parallel.launch for eagle3-regenerate: preflight once, then one replica per shard; the
     last replica to finish assembles conversations.jsonl."""
-    from eagle3_extract.extract.parallel import plan_replicas, run_replicas
+    from eagle3_extract.replicas import plan_replicas, run_replicas
 
     t0 = time.perf_counter()
     validate_regenerate(cfg)
-    replicas = plan_replicas(cfg, log_root)
+    replicas = plan_replicas(int(cfg.parallel.data_parallel_size),
+                             (int(cfg.shard.index), int(cfg.shard.count)), cfg.engine, cfg.model,
+                             log_root)
     plan = preflight(cfg)
     try:
-        return run_replicas(cfg, overrides, replicas, plan.root, t0,
+        return run_replicas(overrides, replicas, plan.root, t0, bool(cfg.dry_run),
                              module="eagle3_extract.regenerate.job",
                              progress=lambda root, reps: "{} part files of {} replicas".format(
                                  len(list((root / PARTS).glob("chunk-*.jsonl"))),
