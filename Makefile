@@ -219,11 +219,11 @@ test-all: venv venv-train venv-peer venv-specforge venv-modelopt ## every test, 
 lint: $(VENV)/.installed ## hadolint, compose schema, shellcheck, ruff
 	$(VENV)/bin/hadolint Dockerfile
 	$(VENV)/bin/check-jsonschema --builtin-schema vendor.compose-spec docker-compose.yml
-	$(VENV)/bin/shellcheck entrypoint.sh docker/*.sh bench/gpu_steps/*.sh $(wildcard .ci/run .ci/*.sh)
+	$(VENV)/bin/shellcheck entrypoint.sh docker/*.sh bench/device/steps/*.sh $(wildcard .ci/run .ci/*.sh)
 	$(VENV)/bin/ruff check $(LINT_PY)
 
 bench: venv ## throughput benchmark, CPU smoke defaults (BENCH_ARGS=...)
-	$(VPY) bench/run.py $(BENCH_ARGS)
+	$(VPY) bench/throughput/run.py $(BENCH_ARGS)
 
 # --- locks --------------------------------------------------------------------------------
 lock-cpu: $(VENV)/.installed ## regenerate requirements/cpu.lock from cpu.in

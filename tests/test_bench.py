@@ -1,4 +1,4 @@
-"""bench/run.py's CPU smoke run: every figure is there, sane, and backed by real files.
+"""bench/throughput/run.py's CPU smoke run: every figure is there, sane, and backed by real files.
 
 No timing assertions: this machine's speed says nothing; the harness's plumbing does.
 """
@@ -27,7 +27,7 @@ def smoke(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("bench")
     out = tmp / "figures.json"
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "bench/run.py"), "--smoke", "--out", str(out),
+        [sys.executable, str(ROOT / "bench/throughput/run.py"), "--smoke", "--out", str(out),
          "--out-dir", str(tmp / "files"), "--keep-files", "--more-writer-threads", "1"],
         cwd=ROOT, capture_output=True, text=True, timeout=900,
     )
@@ -42,7 +42,7 @@ def test_json_has_every_field(smoke):
         assert key in r, key
     for key in ("cpu", "torch", "vllm", "transformers", "output_fs"):
         assert r["machine"][key], key
-    assert "bench/run.py" in r["command"]
+    assert "bench/throughput/run.py" in r["command"]
     assert r["model"]["hidden_size"] == 128 and r["model"]["num_layers"] == 8
     assert r["model"]["dtype"] == "bfloat16"
     assert r["layer_ids"] == [2, 4, 5, 8]
@@ -90,8 +90,8 @@ def test_files_are_really_written(smoke):
 
 
 def test_dp_preflight_harness_reports_both_runs(tmp_path):
-    """bench/dp_preflight.py end to end on a small dataset (no timing assertion)."""
-    proc = subprocess.run([sys.executable, str(ROOT / "bench/dp_preflight.py"), "--rows", "300",
+    """bench/throughput/dp_preflight.py end to end on a small dataset (no timing assertion)."""
+    proc = subprocess.run([sys.executable, str(ROOT / "bench/throughput/dp_preflight.py"), "--rows", "300",
                            "--dp", "2", "--out", str(tmp_path)],
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -1,5 +1,5 @@
 """chart.py: the bars stand where the rates say, one colour per series, written whole;
-bench/learning_curve.py refuses reports from different held-out runs."""
+bench/prediction/learning_curve.py refuses reports from different held-out runs."""
 
 from __future__ import annotations
 
@@ -56,7 +56,7 @@ def test_learning_curve_draws_the_sizes_and_refuses_other_prompts(tmp_path):
     a, b = tmp_path / "a.json", tmp_path / "b.json"
     a.write_text(json.dumps(report([0.4, 0.2, 0.1])))
     b.write_text(json.dumps(report([0.6, 0.4, 0.2])))
-    cmd = [sys.executable, str(ROOT / "bench" / "learning_curve.py"),
+    cmd = [sys.executable, str(ROOT / "bench" / "prediction" / "learning_curve.py"),
            "--out", str(tmp_path / "lc.png"), f"480={a}", f"20k={b}"]
     r = subprocess.run(cmd, capture_output=True, text=True, check=True)
     assert "| 480 | 40.0% | 20.0% | 10.0% | 1.700 |" in r.stdout

@@ -1,4 +1,4 @@
-"""bench/gpu.py, the one driver of the GPU experiments, and bench/gpu_sites.py, the
+"""bench/device/gpu.py, the one driver of the GPU experiments, and bench/device/gpu_sites.py, the
 rehearsal of the environments it layers there: run here, before GPU time is spent.
 
 The rehearsal reads the bundle's own wheel metadata (tests/fixtures/gpu-bundle-metadata.json,
@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(ROOT / "bench" / "device"))
 
 import gpu  # noqa: E402
 import gpu_sites  # noqa: E402
@@ -73,7 +73,7 @@ def test_the_device_python_path_is_the_declared_order():
 
 
 @pytest.mark.skipif(not (gpu.BUNDLE / "whlB").is_dir(), reason="no .gpu-bundle here "
-                    "(python3 bench/gpu.py bundle); the committed metadata is checked as is")
+                    "(python3 bench/device/gpu.py bundle); the committed metadata is checked as is")
 def test_the_recorded_metadata_is_the_bundle_s():
     assert gpu_sites.record(gpu.BUNDLE) == _meta()
 
@@ -91,12 +91,12 @@ def _wheel(path: Path, name: str, version: str) -> None:
 def small_experiment(tmp_path, monkeypatch):
     """A checkout with one wheel group and a 5 MiB 'model' under a 2 MiB call: 3 calls."""
     root = tmp_path / "repo"
-    (root / "bench" / "gpu_steps").mkdir(parents=True)
+    (root / "bench" / "device" / "steps").mkdir(parents=True)
     (root / ".gpu-bundle" / "whlX").mkdir(parents=True)
     _wheel(root / ".gpu-bundle" / "whlX", "gpu_driver_probe", "1.0")
     gguf = tmp_path / "SmolLM2.gguf"
     gguf.write_bytes(bytes(range(256)) * (5 * 4096))
-    (root / "bench" / "gpu_steps" / "probe.sh").write_text(
+    (root / "bench" / "device" / "steps" / "probe.sh").write_text(
         'set -e\nfor m in $MODELS; do cmp "$GPU_STAGE/$m.gguf" %s; done\n'
         'python3 -c "import gpu_driver_probe as p; print(p.VERSION)" > "$RESULTS/probe.txt"\n'
         'echo "$PYTHONPATH" > "$RESULTS/path.txt"\necho "$MODELS" > "$RESULTS/models.txt"\n'
@@ -122,7 +122,7 @@ def test_the_driver_stages_installs_runs_and_collects(small_experiment, capsys):
     assert len(calls) == 3 and calls[0][0]["name"] == "whlX"
     assert all(sum(p["bytes"] for p in c) <= 2 * 2**20 for c in calls)
     printed = capsys.readouterr().out
-    assert "python3 bench/gpu.py call probe 3" in printed and ".gpu-stage/parts/smollm2/part.0" in printed
+    assert "python3 bench/device/gpu.py call probe 3" in printed and ".gpu-stage/parts/smollm2/part.0" in printed
     with pytest.raises(SystemExit, match="start again at call 1"):
         gpu.call("probe", "3")  # a cold machine: calls 1 and 2 never ran here
     for i in (1, 2):
@@ -172,8 +172,8 @@ def test_plan_refuses_conflicting_sites_before_any_call(monkeypatch, tmp_path):
 
 
 def test_the_step_scripts_are_the_experiments():
-    steps = {p.stem for p in (ROOT / "bench" / "gpu_steps").glob("*.sh")}
+    steps = {p.stem for p in (ROOT / "bench" / "device" / "steps").glob("*.sh")}
     assert steps == set(gpu.EXPERIMENTS)
-    for p in (ROOT / "bench" / "gpu_steps").glob("*.sh"):
+    for p in (ROOT / "bench" / "device" / "steps").glob("*.sh"):
         subprocess.run(["bash", "-n", str(p)], check=True)
-    assert not list((ROOT / "bench").glob("h200*.sh"))  # one driver, no script per experiment
+    assert not list((ROOT / "bench").rglob("h200*.sh"))  # one driver, no script per experiment

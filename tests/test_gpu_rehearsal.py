@@ -1,6 +1,6 @@
 """The drafter check, run as the GPU chain's step rehearsed on the CPU build: one chain for
-both. bench/gpu.py runs bench/gpu_steps/e2e.sh as it does on the H200 (its run_step: the
-environment, the PYTHONPATH from bench/gpu_sites.py's declaration, the trainer's interpreter
+both. bench/device/gpu.py runs bench/device/steps/e2e.sh as it does on the H200 (its run_step: the
+environment, the PYTHONPATH from bench/device/gpu_sites.py's declaration, the trainer's interpreter
 behind its own path, the results archive), here with the CPU build's engine settings and
 the drafter check's size (docs/QUALITY.md, "CI"): 160 of SmolLM2-135M-Instruct's own answers
 extracted, a drafter trained on them (3 epochs), the control (states one layer off, served
@@ -10,7 +10,7 @@ held-out prompts; the step fails when the real drafter's first-position acceptan
 
 The answers are a committed regeneration (tests/fixtures/e2e-smollm2/, pinned by the sha256
 below): regenerating them took most of CI's time, and regeneration has its own tests against
-vLLM's generate (tests/test_regenerate.py). The step's regeneration parts (bench/regenerate.py,
+vLLM's generate (tests/test_regenerate.py). The step's regeneration parts (bench/throughput/regenerate.py,
 the job against LLM.generate; the chain regenerating its prompts) are rehearsed by the
 `full` test below, which `make test-all` runs; `make e2e MODEL=smollm2` runs the drafter
 check's chain regenerating its answers.
@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(ROOT / "bench" / "device"))
 
 import gpu  # noqa: E402
 
@@ -47,7 +47,7 @@ CHECK = {"SAMPLES": "160", "HELDOUT": "24", "MAX_TOKENS": "64", "TRAIN": "small"
 
 def run_the_e2e_step(tmp_path: Path, monkeypatch, settings: dict[str, str]
                      ) -> tuple[Path, dict]:
-    """bench/gpu.py's e2e step on SmolLM2 with these settings, as the driver runs it on the
+    """bench/device/gpu.py's e2e step on SmolLM2 with these settings, as the driver runs it on the
     device; its results archive unpacked. Returns (that folder, its e2e.json) after checking
     what every run of the step must bring back."""
     from eagle3_extract.models.smollm2 import gguf_path
@@ -110,7 +110,7 @@ def test_the_drafter_check_runs_here_through_the_gpu_driver(tmp_path, monkeypatc
 @pytest.mark.trainer
 @pytest.mark.full
 def test_the_e2e_step_regenerates_its_answers_through_the_driver(tmp_path, monkeypatch):
-    """The step as it runs on the device: bench/regenerate.py (the job against vLLM's
+    """The step as it runs on the device: bench/throughput/regenerate.py (the job against vLLM's
     LLM.generate), then regenerate the prompts, then the chain (no control, no thresholds: a
     few samples). Only in `make test-all`: the drafter check above runs the same step on
     committed answers on every landing, and regeneration is tested against vLLM's generate

@@ -238,7 +238,7 @@ def test_vllm_args_are_checked_against_engine_args_read_from_its_source():
 
     from vllm.engine.arg_utils import EngineArgs
 
-    from eagle3_extract.engine.vllm import engine_arg_fields
+    from eagle3_extract.engine.vllm_args import engine_arg_fields
 
     assert engine_arg_fields() == {f.name for f in dataclasses.fields(EngineArgs)}
 
@@ -295,7 +295,7 @@ def test_nested_vllm_args_reach_vllm_as_plain_values(tmp_path, offline):
     pydantic configs refused at engine start; now plain dicts, accepted by EngineArgs."""
     from vllm.engine.arg_utils import EngineArgs
 
-    from eagle3_extract.engine.vllm import engine_args
+    from eagle3_extract.engine.vllm_args import engine_args
     from eagle3_extract.models.config import inspect_model
 
     cfg = compose_cfg("engine=vllm", f"output.dir={tmp_path}/out",

@@ -1,5 +1,5 @@
 """Kimi-K2.5 at the user's scale: the shapes one card holds, the length mix, the node model
-(bench/kimi_shapes.py, bench/mix.py, bench/predict_node.py; issue 37)."""
+(bench/prediction/kimi_shapes.py, bench/throughput/mix.py, bench/prediction/predict_node.py; issue 37)."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "bench"))
+sys.path[:0] = [str(ROOT / "bench" / "prediction"), str(ROOT / "bench" / "throughput")]
 
-import kimi_shapes as ks  # noqa: E402
-import mix  # noqa: E402
+import kimi as ks  # noqa: E402
+import length_mix as mix  # noqa: E402
 import predict_node as pn  # noqa: E402
 
 

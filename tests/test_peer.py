@@ -38,13 +38,13 @@ def peer_env():
 @pytest.mark.parametrize("arch", [a if a in PER_LANDING else pytest.param(a, marks=pytest.mark.full)
                                   for a in ARCHS])
 def test_our_states_equal_the_upstream_path(arch, tmp_path, offline):
-    """bench/peer.py as CI's smoke of the speed harness (no timing asserted), then its
+    """bench/throughput/peer.py as CI's smoke of the speed harness (no timing asserted), then its
     report's comparison."""
     from eagle3_extract.dev import peer
     from eagle3_extract.check.verify import Tol
 
     out = tmp_path / "side"
-    proc = subprocess.run([sys.executable, str(ROOT / "bench/peer.py"), "--model", arch,
+    proc = subprocess.run([sys.executable, str(ROOT / "bench/throughput/peer.py"), "--model", arch,
                            "--samples", str(SAMPLES), "--mean-words", "120", "--dtype",
                            ARCHS[arch], "--out", str(out), "--json", str(tmp_path / "r.json"),
                            "model.max_model_len=1024", "engine.distributed_executor_backend=uni"],

@@ -1,4 +1,4 @@
-"""bench/w4a16.py (issue 25 (c)): its W4A16 arithmetic is compressed-tensors' bit for
+"""bench/prediction/w4a16.py (issue 25 (c)): its W4A16 arithmetic is compressed-tensors' bit for
 bit, and the checkpoint it writes is one that compressed-tensors decodes to exactly the
 reference it writes beside it, and that vLLM's compressed-tensors config reads as the
 WNA16 MoE scheme for the routed experts only."""
@@ -7,13 +7,15 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-spec = importlib.util.spec_from_file_location("w4a16", ROOT / "bench" / "w4a16.py")
+sys.path.insert(0, str(ROOT / "bench" / "prediction"))  # its library, kimi.py
+spec = importlib.util.spec_from_file_location("w4a16", ROOT / "bench" / "prediction" / "w4a16.py")
 w4a16 = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(w4a16)
 

@@ -4,7 +4,7 @@ dequantized weights (issue 25 (c)).
     PYTHONPATH=SITE:tools/h200-kernels:bench EAGLE3_KERNEL_KIT=KIT \
         python3 tools/h200-kernels/test_marlin.py [REPORT.json]
 
-Experts quantized by bench/w4a16.py (compressed-tensors' W4A16, groups of 32), laid out
+Experts quantized by bench/prediction/w4a16.py (compressed-tensors' W4A16, groups of 32), laid out
 as vLLM's loader lays out a compressed-tensors checkpoint for Marlin (each
 `weight_packed` [N, K/8] and `weight_scale` [N, K/32] transposed, gate and up
 stacked), repacked with `gptq_marlin_moe_repack` and `marlin_moe_permute_scales` as
@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-import w4a16  # bench/w4a16.py, on PYTHONPATH
+import w4a16  # bench/prediction/w4a16.py, on PYTHONPATH
 
 DEV, BF16, GROUP = "cuda", torch.bfloat16, 32
 

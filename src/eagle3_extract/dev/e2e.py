@@ -17,7 +17,7 @@ so each set holds the smaller ones), measured on the same held-out prompts; the 
 go to e2e.json and a chart to <out>/learning-curve.png. `--prompts FILE` regenerates a
 larger prompt set (tools/make_prompts.py --large), and `--model-arg` / `--engine-arg` /
 `--acceptance-arg` / `--train-arg` pass overrides through, so that the same chain runs on
-a GPU (bench/gpu_steps/e2e.sh, through bench/gpu.py).
+a GPU (bench/device/steps/e2e.sh, through bench/device/gpu.py).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Side by side with the upstream-native path: our extraction vs speculators 0.9.0 on vLLM.
-Development only (tests/test_peer.py, bench/peer.py): no user command imports it.
+Development only (tests/test_peer.py, bench/throughput/peer.py): no user command imports it.
 
 The same model, the same token ids, the same layer ids, one machine, one run: our job
 (vLLM 0.16, our capture) writes its files first; its token ids go to peer_run.py, which

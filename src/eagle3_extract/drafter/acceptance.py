@@ -197,7 +197,7 @@ def preflight(cfg: Any) -> Plan:
         if current_platform.is_cpu():
             raise PreflightError("engine=vllm: vLLM 0.16's CPU backend has no speculative "
                                  "decoding; use engine=hf (the exact loop) or a GPU")
-        from eagle3_extract.engine.vllm import check_vllm_args
+        from eagle3_extract.engine.vllm_args import check_vllm_args
 
         check_vllm_args(cfg.engine, fixed={})
     tokenizer = load_tokenizer(info.tokenizer_path, bool(cfg.model.trust_remote_code),
@@ -261,7 +261,7 @@ def run_vllm(plan: Plan) -> dict[str, Any]:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from eagle3_extract.engine.vllm import check_vllm_args, model_args, quiet_known_warnings
+    from eagle3_extract.engine.vllm_args import check_vllm_args, model_args, quiet_known_warnings
     from eagle3_extract.regenerate.generation import close_llm
 
     quiet_known_warnings()

@@ -1,7 +1,7 @@
 """Acceptance per draft position as a PNG bar chart.
 
 eagle3-acceptance draws its report's chart beside it (one series), and
-bench/learning_curve.py draws several reports in one (one series each: 480, 2k, ...
+bench/prediction/learning_curve.py draws several reports in one (one series each: 480, 2k, ...
 samples). Pillow, already in the image through vLLM, draws it; no plotting library.
 """
 

@@ -74,7 +74,7 @@ class Plan:
 
 def _check_engine_args(engine: EngineConfig) -> None:
     if str(engine.name) == "vllm":
-        from eagle3_extract.engine.vllm import check_vllm_args
+        from eagle3_extract.engine.vllm_args import check_vllm_args
 
         check_vllm_args(engine)
 

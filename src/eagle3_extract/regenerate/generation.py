@@ -316,7 +316,7 @@ def build_llm(engine: EngineConfig, model: ModelConfig, info: Any, verbose: bool
     from vllm import LLM
 
     from eagle3_extract.engine.worker import QUALNAME
-    from eagle3_extract.engine.vllm import check_vllm_args, model_args, quiet_known_warnings, size_cpu_kv_cache
+    from eagle3_extract.engine.vllm_args import check_vllm_args, model_args, quiet_known_warnings, size_cpu_kv_cache
 
     quiet_known_warnings()
     args = {k: v for k, v in model_args(engine, model, info, verbose).items()

@@ -164,7 +164,7 @@ def identity(model: ModelConfig, dataset: DatasetConfig, g: GenerateConfig, info
 
 def preflight(cfg: Any) -> Plan:
     from eagle3_extract.engine import inspect_model
-    from eagle3_extract.engine.vllm import check_vllm_args
+    from eagle3_extract.engine.vllm_args import check_vllm_args
     from eagle3_extract.config import resolve_config
     from eagle3_extract.layout import check_writable
 

@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# bench/gpu.py's e2e step on the H200 (issues 36, 39): eagle3-regenerate against vLLM's own
-# LLM.generate on the first target (bench/regenerate.py, the job's defaults; REGEN_SAMPLES=0
+# bench/device/gpu.py's e2e step on the H200 (issues 36, 39): eagle3-regenerate against vLLM's own
+# LLM.generate on the first target (bench/throughput/regenerate.py, the job's defaults; REGEN_SAMPLES=0
 # skips it), then for each target in MODELS (plan --models; smollm2, qwen25_coder_1_5b, ...)
 # `make e2e`'s chain at a real scale: SAMPLES regenerated prompts (tools/make_prompts.py
 # --large), extracted (bf16, and fp8 with FP8=1), trained with speculators 0.9.0 on the GPU,
 # the learning curve on the first CURVE samples, each drafter served by vLLM 0.16's EAGLE-3
 # on HELDOUT held-out prompts. Every part resumes, so the driver's `call e2e run` continues.
-# The driver sets PYTHONPATH (bench/gpu_sites.py PATHS["cli"]), EAGLE3_TRAIN_PYTHON, GPU_STAGE,
+# The driver sets PYTHONPATH (bench/device/gpu_sites.py PATHS["cli"]), EAGLE3_TRAIN_PYTHON, GPU_STAGE,
 # RESULTS, BUDGET_S, GPU_HOME and MODELS. ENGINE (the engine overrides, default the kit's:
 # Triton attention, native ops, eager: it cannot take CUDA graphs) and ACCEPTANCE_ENGINE
 # (vllm) let the same step run on the CPU build as its rehearsal (docs/gpu.md); TRAIN_ARGS
@@ -41,7 +41,7 @@ regen_kit=(); [[ -n $kit_json ]] && regen_kit=(--vllm-args "$kit_json")
 if [[ ! -f $RESULTS/regen.json ]] && [[ ${REGEN_SAMPLES:-2048} != 0 ]]; then
   model=$(model_dir "${models[0]}") || exit 3
   t=$SECONDS
-  timeout $(($(left) - 30)) python3 bench/regenerate.py --model "$model" \
+  timeout $(($(left) - 30)) python3 bench/throughput/regenerate.py --model "$model" \
     --samples "${REGEN_SAMPLES:-2048}" --max-tokens 128 --enforce-eager true --repeats 1 \
     --gpu-memory-utilization 0.5 "${regen_kit[@]}" --out "$RESULTS/regen.json" \
     > "$RESULTS/regen.log" 2>&1

@@ -7,6 +7,7 @@ build_engine, plan_batches), so the figures are those of the production path.
 from __future__ import annotations
 
 import hashlib
+import json
 import shutil
 import tempfile
 from contextlib import contextmanager
@@ -22,8 +23,21 @@ from eagle3_extract.dataset.batching import iter_batches, plan_batches
 from eagle3_extract.dataset.samples import Tokenized, build_dataset, load_tokenizer
 from eagle3_extract.models.tiny import TINY_CONFIGS
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SAMPLE_SET = ROOT / "src/eagle3_extract/assets/sample/conversations.jsonl"
+
+
+def write_rows(path: Path, rows: int) -> None:
+    """`rows` chat rows from the sample set, each made unique by its index (a dataset of
+    any size whose rows tokenize as real chat does)."""
+    base = [json.loads(line) for line in SAMPLE_SET.read_text().splitlines() if line.strip()]
+    with open(path, "w") as f:
+        for i in range(rows):
+            row = json.loads(json.dumps(base[i % len(base)]))
+            turns = row.get("conversations") or row.get("messages")
+            key = "value" if "conversations" in row else "content"
+            turns[0][key] = f"[{i}] {turns[0][key]}"
+            f.write(json.dumps(row) + "\n")
 
 
 def model_dir(spec: str) -> tuple[str, str | None]:
@@ -103,9 +117,9 @@ def synthetic(lengths: list[int], vocab: int, seed: int) -> Tokenized:
 
 def parse_lengths(args: Any) -> list[int] | None:
     """`--synthetic NxL` (N samples of L tokens), `--lengths A:B` (N uniform in [A, B]) or
-    `--mix TOKENS` (bench/mix.py's chat and reasoning lengths, adding up to TOKENS)."""
+    `--mix TOKENS` (bench/throughput/mix.py's chat and reasoning lengths, adding up to TOKENS)."""
     if getattr(args, "mix", None):
-        import mix
+        import length_mix as mix
 
         return mix.lengths(args.mix, args.seed)
     if args.synthetic:

@@ -2,12 +2,12 @@
 between our extraction (vLLM 0.16) and the peer's (vLLM 0.32) into engine and capture.
 
 Only vLLM's public `LLM` API, so the same script runs in our env and in the peer's:
-`generate(max_tokens=1)` over the token ids of a bench/peer.py run (tokens.jsonl), the
+`generate(max_tokens=1)` over the token ids of a bench/throughput/peer.py run (tokens.jsonl), the
 same engine limits on both, prefix caching off (no free hits), one untimed warm-up pass
 over the first prompts. Prints one JSON line.
 
-    .venv/bin/python bench/plain_prefill.py --model DIR --tokens run/tokens.jsonl
-    .venv-train/bin/python bench/plain_prefill.py --model DIR --tokens run/tokens.jsonl
+    .venv/bin/python bench/throughput/plain_prefill.py --model DIR --tokens run/tokens.jsonl
+    .venv-train/bin/python bench/throughput/plain_prefill.py --model DIR --tokens run/tokens.jsonl
 """
 
 from __future__ import annotations

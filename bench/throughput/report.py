@@ -55,7 +55,7 @@ def _mount_of(path: Path) -> dict:
 
 
 def _git() -> dict:
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     def git(*args: str) -> subprocess.CompletedProcess:
         return subprocess.run(["git", "-C", str(root), *args], text=True, capture_output=True,
                               timeout=10)

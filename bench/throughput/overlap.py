@@ -1,8 +1,8 @@
 """Job wall with the engine loading beside tokenization vs after it, one dataset, one run.
 
-    .venv/bin/python bench/overlap.py [--rows 6000] [--repeats 2] [--job-timeout S] [--out DIR] [OVERRIDE ...]
+    .venv/bin/python bench/throughput/overlap.py [--rows 6000] [--repeats 2] [--job-timeout S] [--out DIR] [OVERRIDE ...]
 
-Writes `--rows` chat conversations (bench/dp_preflight.py's rows: the committed sample
+Writes `--rows` chat conversations (bench/throughput/dp_preflight.py's rows: the committed sample
 set, each row varied so none tokenizes alike), then runs the whole `eagle3-extract` job
 (tiny model, vLLM) with `engine.start_early=false` and `=true`, alternating, each with
 the tokenized-set cache off (each run tokenizes). `dataset.overlong=skip` with a short
@@ -23,7 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-from dp_preflight import write_rows
+from inputs import write_rows
 
 from eagle3_extract.layout import MANIFEST_JSON
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# bench/gpu.py's kimi step (issue 37): one TP=8 rank and one PP=8 stage of Kimi-K2.5 on the
-# H200, each the shape that card of the user's node holds (bench/kimi_shapes.py: dummy
+# bench/device/gpu.py's kimi step (issue 37): one TP=8 rank and one PP=8 stage of Kimi-K2.5 on the
+# H200, each the shape that card of the user's node holds (bench/prediction/kimi_shapes.py: dummy
 # weights, routed experts in compressed-tensors W4A16 through vLLM's Marlin MoE), with vLLM
 # 0.16.0's own kernels (the kernel kit, as the capture step builds it) and MLA prefill through
 # FlashAttention-2's varlen kernel (tools/h200-kernels/vllm_fa2_C.py; the stand-in's cost
@@ -8,11 +8,11 @@
 # $RESULTS (a call that ran out of time is continued with `call kimi run`):
 #   kit        the kernel kit (94 s), the ops checked
 #   varlen     FA2 vs the float32 stand-in at MLA's shapes (test_varlen.py)
-#   rank       bench/run.py on the rank over bench/mix.py's mix, MIX_TOKENS per repeat x
+#   rank       bench/throughput/run.py on the rank over bench/throughput/mix.py's mix, MIX_TOKENS per repeat x
 #              REPEATS: plain prefill vs the job's extraction to disk, same engine
 #   rank-job   the job itself (eagle3-extract) on the rank over JOB_TOKENS of mix
 #              conversations: its manifest (timings: preflight beside the engine's start)
-#   stage      bench/run.py on the stage, as rank
+#   stage      bench/throughput/run.py on the stage, as rank
 #   standin    the rank again with EAGLE3_VARLEN_KERNEL=torch (the stand-in's share), short
 # nvidia-smi is sampled every second during each run (mem-<name>.csv: the card's peak).
 set -uo pipefail
@@ -49,8 +49,8 @@ if want varlen && ! done_ varlen; then
   echo "== varlen rc=$? in $((SECONDS - t)) s"; tail -3 "$OUT/varlen.log"
 fi
 
-python3 bench/kimi_shapes.py rank /tmp/kimi-rank --layers "$RANK_LAYERS" > "$OUT/shape-rank.json"
-python3 bench/kimi_shapes.py stage /tmp/kimi-stage --layers "$STAGE_LAYERS" > "$OUT/shape-stage.json"
+python3 bench/prediction/kimi_shapes.py rank /tmp/kimi-rank --layers "$RANK_LAYERS" > "$OUT/shape-rank.json"
+python3 bench/prediction/kimi_shapes.py stage /tmp/kimi-stage --layers "$STAGE_LAYERS" > "$OUT/shape-stage.json"
 cat "$OUT/shape-rank.json" "$OUT/shape-stage.json"
 if (($(df --output=avail -B1G /dev/shm | tail -1) < 8)); then export EAGLE3_SHM_DIR=/tmp; fi
 files=${FILES:-/var/tmp/eagle3-kimi}  # FILES=/dev/shm/...: the capture without the disk
@@ -80,12 +80,12 @@ print(json.dumps({"peak_used_gib": max(used) / 1024 if used else None, "total_gi
 PY
   cat "$OUT/mem-$1.json"
 }
-bench() {  # bench NAME MODEL_DIR LAYERS NEED_S [ENV=...]: bench/run.py over the mix
+bench() {  # bench NAME MODEL_DIR LAYERS NEED_S [ENV=...]: bench/throughput/run.py over the mix
   local name=$1 model=$2 layers=$3 need=$4 t=$SECONDS
   done_ "$name" && return
   if (($(left) < need)); then echo "== $name skipped: $(left) s left (needs $need)"; return; fi
   watch_mem "$name"
-  env "${@:5}" timeout $(($(left) - 15)) python3 bench/run.py --model "$model" \
+  env "${@:5}" timeout $(($(left) - 15)) python3 bench/throughput/run.py --model "$model" \
     --load-format dummy --mix "$MIX_TOKENS" --repeats "${BENCH_REPEATS:-$REPEATS}" --warmup 2 \
     --phases prefill,extract_disk --no-disk-test --layers "$layers" \
     --max-model-len 8192 --token-budget 32768 --max-num-seqs 64 \
@@ -104,7 +104,7 @@ want rank && bench rank /tmp/kimi-rank "$RANK_IDS" 330
 
 if want rank-job && ! done_ rank-job && (($(left) > 240)); then
   t=$SECONDS
-  python3 bench/mix.py conversations /tmp/kimi-mix.jsonl --tokens "$JOB_TOKENS" > "$OUT/mix.json"
+  python3 bench/throughput/mix.py conversations /tmp/kimi-mix.jsonl --tokens "$JOB_TOKENS" > "$OUT/mix.json"
   rm -rf "$files/job"
   watch_mem rank-job
   timeout $(($(left) - 15)) python3 -m eagle3_extract.cli model=tiny model.path=/tmp/kimi-rank \

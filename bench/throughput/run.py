@@ -8,8 +8,8 @@ repeated R times, interleaved (1, 2, 3, 1, 2, 3, ...), medians reported:
 plus the disk's raw fsync'd write bandwidth for the same files, so the target
 "(3) >= 95% of min((1), disk bandwidth / bytes per token)" can be judged.
 
-    .venv/bin/python bench/run.py                       # no arguments: --smoke (CPU, < 2 min)
-    python3 bench/run.py --model bench/configs/llama3_8b.json --load-format dummy \
+    .venv/bin/python bench/throughput/run.py                       # no arguments: --smoke (CPU, < 2 min)
+    python3 bench/throughput/run.py --model bench/throughput/configs/llama3_8b.json --load-format dummy \
         --synthetic 128x2048 --token-budget 32768 --out docs/bench/x.json   # on a GPU
 
 Ratios between phases on one engine are the figures to quote; absolute tok/s
@@ -38,7 +38,7 @@ from eagle3_extract.engine.start import build_engine
 from eagle3_extract.layout import STATES_KEY, Storage
 from eagle3_extract.models.config import read_config
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TARGET = 0.95
 # A CPU smoke run (make bench, tests/test_bench.py): tiny Llama, 12 conversations of the
 # sample set cut to 256 tokens, several batches so the writer overlaps the engine, the
@@ -63,7 +63,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     data.add_argument("--lengths", metavar="A:B",
                       help="--samples random sequences, lengths uniform in [A, B]")
     data.add_argument("--mix", type=int, metavar="TOKENS",
-                      help="random sequences of bench/mix.py's chat and reasoning lengths, "
+                      help="random sequences of bench/throughput/mix.py's chat and reasoning lengths, "
                            "TOKENS in all")
     p.add_argument("--samples", type=int, default=64,
                    help="count for --lengths; at most this many of the sample set")

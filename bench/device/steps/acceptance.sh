@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# bench/gpu.py's acceptance step (docs/QUALITY.md): vLLM 0.16's own EAGLE-3 speculative
+# bench/device/gpu.py's acceptance step (docs/QUALITY.md): vLLM 0.16's own EAGLE-3 speculative
 # decoding (the H200 kit) and, with HF=1, our loop on the same GPU, for the drafters an e2e
-# run trained here (`python3 bench/gpu.py plan acceptance --drafters outputs/e2e/smollm2`
+# run trained here (`python3 bench/device/gpu.py plan acceptance --drafters outputs/e2e/smollm2`
 # stages them without their embeddings), on the plan's first target (MODELS).
 set -uo pipefail
 read -r -a models <<< "${MODELS:-smollm2}"

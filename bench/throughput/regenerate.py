@@ -8,8 +8,8 @@ are rendered and tokenized beforehand); ours includes everything the job does pe
 sample (render, tokenize, decode, reasoning split, the fidelity check). Prints
 generated tokens/s of both and their ratio (docs/BENCHMARKS.md).
 
-  python bench/regenerate.py --model smollm2 --samples 64 --max-tokens 128
-  python bench/regenerate.py --model bench/configs/llama3_8b.json --load-format dummy \
+  python bench/throughput/regenerate.py --model smollm2 --samples 64 --max-tokens 128
+  python bench/throughput/regenerate.py --model bench/throughput/configs/llama3_8b.json --load-format dummy \
       --tokenizer DIR   # any model dir or config.json; a tokenizer with a chat template
 """
 
@@ -24,7 +24,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "src"))
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 SAMPLE_SET = ROOT / "src/eagle3_extract/assets/sample/conversations.jsonl"

@@ -1,13 +1,13 @@
 """Where the Writer's time goes, for one sample shape, on this machine's disk.
 
-bench/run.py found phase (3) bound by the Writer on an H200 (docs/BENCHMARKS.md). This
+bench/throughput/run.py found phase (3) bound by the Writer on an H200 (docs/BENCHMARKS.md). This
 times each step of writer.write_sample and check_invariants on a [T, L, H] bf16 sample,
 the Writer alone for several thread counts with torch's intra-op threads at 1 (what
 vLLM's multiproc executor sets in the driver process, where the Writer runs) and at
 the core count, and, with a GPU, the HF engine's per-sample copy into fresh pageable
 memory against a reused pinned buffer.
 
-    python3 bench/writer_profile.py --dir /var/tmp/x --out profile.json [--shape 2048x4x4096]
+    python3 bench/throughput/writer_profile.py --dir /var/tmp/x --out profile.json [--shape 2048x4x4096]
 """
 
 from __future__ import annotations

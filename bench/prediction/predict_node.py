@@ -1,10 +1,10 @@
 """The user's node predicted from one card: Kimi-K2.5 extraction tok/s per TP x PP layout.
 
-    python3 bench/predict_node.py [--rank docs/bench/...-kimi-rank.json]
+    python3 bench/prediction/predict_node.py [--rank docs/bench/...-kimi-rank.json]
                                   [--stage docs/bench/...-kimi-stage.json] [--json OUT]
 
 Nobody here has 8 RTX PRO 6000s, so the node's figure is a model fed by what one GPU
-measured (bench/gpu_steps/kimi.sh: bench/run.py on a TP=8 rank, layers at 1/8 width, and
+measured (bench/device/steps/kimi.sh: bench/throughput/run.py on a TP=8 rank, layers at 1/8 width, and
 on a PP=8 stage of full-width layers; per layer, so a card too small for 61 or 8 runs fewer, the job's extraction to disk on the same engine as
 plain prefill) and by the node's published numbers (`NODE`, every value in one table in
 docs/BENCHMARKS.md). The model, per token:
@@ -21,7 +21,7 @@ docs/BENCHMARKS.md). The model, per token:
     residual per stage boundary, and keeps pp batches in flight, at `PP_EFFICIENCY`;
   * a layout's tok/s = PP_EFFICIENCY^(pp>1) / (its slowest stage's compute + comms),
     times the job-vs-prefill ratio measured on the card;
-  * it fits when the heaviest card's weights (bench/kimi_shapes.py) plus the measured
+  * it fits when the heaviest card's weights (bench/prediction/kimi_shapes.py) plus the measured
     activation peak, the capture's buffers, the CUDA context and a batch's KV cache stay
     under `gpu_memory_utilization` x 96 GB.
 """
@@ -33,10 +33,9 @@ import json
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "bench"))
+import kimi as ks
 
-import kimi_shapes as ks  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]
 
 GB = 1e9
 # The node and the card measured on (public specifications; docs/BENCHMARKS.md says where)
@@ -63,7 +62,7 @@ DEFAULT_STAGE = ROOT / "docs/bench/2026-12-06-h100-kimi-k25-pp8-stage.json"
 
 
 def measured(path: Path) -> dict:
-    """What a bench/run.py figure says per token: seconds per layer, the job ratio."""
+    """What a bench/throughput/run.py figure says per token: seconds per layer, the job ratio."""
     r = json.loads(path.read_text())
     layers = r["model"]["num_layers"]
     prefill = r["phases"]["prefill"]["tok_s"]

@@ -1,33 +1,42 @@
-"""Kimi-K2.5's text backbone cut as one GPU of a TP x PP layout holds it.
+"""Kimi-K2.5's text backbone as the user's cards hold it, and its INT4 format: the shapes
+kimi_shapes.py writes, the weights per card predict_node.py fits, and the compressed-tensors
+W4A16 config w4a16.py and kimi_shapes.py put in a checkpoint (a library: no script here
+imports another script).
 
-    python3 bench/kimi_shapes.py rank OUT_DIR [--tp 8] [--layers 61]    # one TP rank, whole depth
-    python3 bench/kimi_shapes.py stage OUT_DIR [--layers 8]             # one PP stage, full width
-    python3 bench/kimi_shapes.py bytes                                   # per-card weights, each layout
-
-Nobody here has the user's eight cards, so what one card of theirs runs is built on one
-card here: a DeepseekV3 config (`load_format=dummy`: no checkpoint) whose every tensor has
-the shape that card holds. A TP rank keeps MLA's replicated down-projections (q_a, kv_a)
-whole and cuts what vLLM's tensor parallel linears shard (heads of q_b / kv_b / o, the
-dense and shared MLPs' width, each routed expert's width, the vocabulary); a PP stage is
-whole layers. The routed experts are compressed-tensors W4A16 as the INT4 checkpoint
-ships them (bench/w4a16.py's quantization_config: int4, groups of 32, symmetric).
-`card_bytes` is the same arithmetic as a weight count, for bench/predict_node.py's fit.
+A TP rank keeps MLA's replicated down-projections (q_a, kv_a) whole and cuts what vLLM's
+tensor parallel linears shard (heads of q_b / kv_b / o, the dense and shared MLPs' width,
+each routed expert's width, the vocabulary); a PP stage is whole layers. The routed
+experts are compressed-tensors W4A16 as the INT4 checkpoint ships them (int4, groups of
+32, symmetric).
 """
 
 from __future__ import annotations
 
-import argparse
 import json
-import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "bench"))
+ROOT = Path(__file__).resolve().parents[2]
+BITS = 4
 
-from w4a16 import quantization_config  # noqa: E402
+
+def quantization_config(group_size: int) -> dict:
+    """What Kimi-K2's INT4 releases carry (routed experts only), for this group size."""
+    return {
+        "quant_method": "compressed-tensors", "format": "pack-quantized",
+        "quantization_status": "compressed", "kv_cache_scheme": None,
+        "config_groups": {"group_0": {
+            "targets": ["Linear"], "input_activations": None, "output_activations": None,
+            "weights": {"num_bits": BITS, "type": "int", "symmetric": True,
+                        "strategy": "group", "group_size": group_size, "dynamic": False,
+                        "actorder": None, "observer": "minmax", "observer_kwargs": {},
+                        "block_structure": None}}},
+        "ignore": ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*",
+                   r"re:.*mlp\.(gate|up|gate_up|down)_proj.*"],
+    }
+
 
 LAYERS, GROUP = 61, 32
-BASE = json.loads((ROOT / "bench/configs/kimi_k25_l4.json").read_text())
+BASE = json.loads((ROOT / "bench/throughput/configs/kimi_k25_l4.json").read_text())
 # users-ground.md; the context as Kimi-K2's 256k releases set it (yarn over 4k, factor 64)
 KIMI = {**BASE, "num_hidden_layers": LAYERS, "n_routed_experts": 384,
         "max_position_embeddings": 262144,
@@ -109,33 +118,6 @@ def layouts(cards: int = 8) -> list[tuple[int, int]]:
             and KIMI["num_attention_heads"] % tp == 0 and tp <= cards]
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    sub = ap.add_subparsers(dest="cmd", required=True)
-    r = sub.add_parser("rank")
-    r.add_argument("out", type=Path)
-    r.add_argument("--tp", type=int, default=8)
-    r.add_argument("--layers", type=int, default=LAYERS)
-    s = sub.add_parser("stage")
-    s.add_argument("out", type=Path)
-    s.add_argument("--layers", type=int, default=8)
-    sub.add_parser("bytes")
-    args = ap.parse_args(argv)
-    if args.cmd == "bytes":
-        full = sum(layer_bytes(dense=i == 0) for i in range(LAYERS)) + \
-            2 * KIMI["vocab_size"] * KIMI["hidden_size"] * 2
-        print(json.dumps({"model_gb": round(full / 1e9, 1), **{
-            f"tp{tp}_pp{pp}_card_gb": round(card_bytes(tp, pp) / 1e9, 1)
-            for tp, pp in layouts()}}))
-        return 0
-    cfg = rank_config(args.tp, args.layers) if args.cmd == "rank" else stage_config(args.layers)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "config.json").write_text(json.dumps(cfg, indent=1) + "\n")
-    print(json.dumps({"config": str(args.out / "config.json"),
-                      "weights_gb": round(weights_of(cfg) / 1e9, 2)}))
-    return 0
-
-
 def weights_of(cfg: dict) -> int:
     """The weights a config built by rank_config / stage_config holds on its card."""
     shape = cfg["eagle3_extract_shape"]
@@ -144,7 +126,3 @@ def weights_of(cfg: dict) -> int:
     return (dense * layer_bytes(tp, dense=True)
             + (cfg["num_hidden_layers"] - dense) * layer_bytes(tp)
             + 2 * cfg["vocab_size"] * cfg["hidden_size"] * 2)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# bench/gpu.py's train step: speculators 0.9.0's EAGLE-3 trainer on the H200 through
+# bench/device/gpu.py's train step: speculators 0.9.0's EAGLE-3 trainer on the H200 through
 # eagle3-train, on the tiny model (no staged weights, no vLLM): the extraction runs on the
 # HF engine on the GPU, then eagle3-train with train=small in the trainer's own site
-# (EAGLE3_TRAIN_PYTHON, bench/gpu_sites.py PATHS["trainer"]). TRAIN_ARGS replaces the
+# (EAGLE3_TRAIN_PYTHON, bench/device/gpu_sites.py PATHS["trainer"]). TRAIN_ARGS replaces the
 # trainer overrides (default: the eager loss).
 set -uo pipefail
 t0=$SECONDS

@@ -1,6 +1,6 @@
 """Acceptance against training-set size: several eagle3-acceptance reports in one chart.
 
-    python3 bench/learning_curve.py --out docs/quality/learning-curve.png \\
+    python3 bench/prediction/learning_curve.py --out docs/quality/learning-curve.png \\
         --title "..." 480=a/acceptance.json 2k=b/acceptance.json ...
 
 Each LABEL=REPORT is one series (bars per draft position, the mean acceptance length in
@@ -16,7 +16,7 @@ import json
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "src"))
 
 from eagle3_extract.drafter.chart import acceptance_chart, report_series  # noqa: E402

@@ -1,7 +1,7 @@
 """A bf16 MoE checkpoint -> its routed experts in compressed-tensors W4A16, plus the
 dequantized reference (issue 25 (c)).
 
-    python3 bench/w4a16.py SRC_DIR PACKED_DIR REF_DIR [--group-size 32]
+    python3 bench/prediction/w4a16.py SRC_DIR PACKED_DIR REF_DIR [--group-size 32]
 
 Kimi-K2.5 ships its routed experts as 4-bit integers, symmetric, in groups of 32 along
 the input, packed eight to an int32 (compressed-tensors `pack-quantized`); attention,
@@ -29,27 +29,12 @@ from pathlib import Path
 
 import torch
 
-BITS = 4
+from kimi import BITS, quantization_config
+
 Q_MIN, Q_MAX = -(1 << (BITS - 1)), (1 << (BITS - 1)) - 1  # -8, 7
 PACK = 32 // BITS
 EXPERT = re.compile(r"^(?P<p>.*\.mlp\.experts\.\d+\.(gate|up|down)_proj)\.weight$")
 FUSED = re.compile(r"^(?P<p>.*\.mlp\.experts)\.(?P<w>gate_up_proj|down_proj)$")  # HF v5
-
-
-def quantization_config(group_size: int) -> dict:
-    """What Kimi-K2's INT4 releases carry (routed experts only), for this group size."""
-    return {
-        "quant_method": "compressed-tensors", "format": "pack-quantized",
-        "quantization_status": "compressed", "kv_cache_scheme": None,
-        "config_groups": {"group_0": {
-            "targets": ["Linear"], "input_activations": None, "output_activations": None,
-            "weights": {"num_bits": BITS, "type": "int", "symmetric": True,
-                        "strategy": "group", "group_size": group_size, "dynamic": False,
-                        "actorder": None, "observer": "minmax", "observer_kwargs": {},
-                        "block_structure": None}}},
-        "ignore": ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*",
-                   r"re:.*mlp\.(gate|up|gate_up|down)_proj.*"],
-    }
 
 
 def quantize(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,6 +1,6 @@
 """Preflight and resume cost at the headline job's scale, per shard count; no model weights.
 
-    .venv/bin/python bench/scale.py [--rows 1000000] [--files 100000] [--shards 1,8,64]
+    .venv/bin/python bench/throughput/scale.py [--rows 1000000] [--files 100000] [--shards 1,8,64]
                                     [--out /var/tmp/eagle3-scale]
 
 Writes `--rows` short synthetic chat conversations (seeded words, no two alike) to one
@@ -29,7 +29,7 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "src"))
 from eagle3_extract.layout import RUN_JSON  # noqa: E402  (after the path above)
 

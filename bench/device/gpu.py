@@ -1,22 +1,23 @@
 """One driver for every experiment on the H200 machine: stage its pieces here, then calls
 there that install them, run the experiment's step (resumable) and bring its results back.
 
-    here:   python3 bench/gpu.py bundle              # the wheel groups (.gpu-bundle), once
-            python3 bench/gpu.py plan EXPERIMENT     # stage .gpu-stage/, check the sites, print the calls
+    here:   python3 bench/device/gpu.py bundle              # the wheel groups (.gpu-bundle), once
+            python3 bench/device/gpu.py sites record|check  # their metadata; the sites' conflicts
+            python3 bench/device/gpu.py plan EXPERIMENT     # stage .gpu-stage/, check the sites, print the calls
                 [--drafters DIR]  (acceptance: an e2e out dir)  [--no-rehearsal]  (before a
                 device package list exists: call 1 brings it back)  [--models a,b]  (the
                 real targets, models/real.py's names; default smollm2)
-    there:  python3 bench/gpu.py call EXPERIMENT N   # call N of the plan, as the plan prints it
-            python3 bench/gpu.py call EXPERIMENT run # the step again: it continues where a call stopped
-    here:   python3 bench/gpu.py collect EXPERIMENT FILES_AT   # unpack a call's results
+    there:  python3 bench/device/gpu.py call EXPERIMENT N   # call N of the plan, as the plan prints it
+            python3 bench/device/gpu.py call EXPERIMENT run # the step again: it continues where a call stopped
+    here:   python3 bench/device/gpu.py collect EXPERIMENT FILES_AT   # unpack a call's results
 
 Why one driver: a call carries at most 64 MiB and the machine forgets /tmp 30 s after a
 call, so every experiment stages the same way (the vLLM kit's wheels, our CLI's, the
 trainer's, a model's GGUF in pieces) over calls made back to back. `plan` packs the pieces
 into calls in install order and records each piece's sha256; `call` checks what it was
 carried and what earlier calls installed (a cold machine is one line: start at call 1),
-installs into the sites bench/gpu_sites.py declares (the same declaration the CPU rehearsal
-checks), and on the last call runs bench/gpu_steps/EXPERIMENT.sh with the call's time left.
+installs into the sites bench/device/gpu_sites.py declares (the same declaration the CPU rehearsal
+checks), and on the last call runs bench/device/steps/EXPERIMENT.sh with the call's time left.
 Everything the step writes under $RESULTS comes back as one archive.
 """
 
@@ -32,8 +33,8 @@ import tarfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "bench"))
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import gpu_sites  # noqa: E402  (stdlib only until `check`)
 
@@ -107,7 +108,7 @@ def bundle() -> int:
         subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w",
                         str(BUNDLE / group), *specs], check=True)
     say(f"bundle ready in {BUNDLE.relative_to(ROOT)}; record its metadata for the rehearsal "
-        "with `python3 bench/gpu_sites.py record`")
+        "with `python3 bench/device/gpu.py sites record`")
     return 0
 
 
@@ -168,7 +169,7 @@ def plan(experiment: str, drafters: Path | None = None, rehearse: bool = True,
               for p in ([f"model:{m}" for m in models] if n == "model" else [n])]
     for name in pieces:
         if name in gpu_sites.SITES and not _piece_path(name).exists():
-            raise SystemExit(f"gpu: {BUNDLE.name}/{name} is missing: `python3 bench/gpu.py bundle`")
+            raise SystemExit(f"gpu: {BUNDLE.name}/{name} is missing: `python3 bench/device/gpu.py bundle`")
     if "drafters" in pieces:
         if drafters is None:
             raise SystemExit("gpu: plan acceptance needs --drafters DIR (an e2e run's out dir)")
@@ -179,7 +180,7 @@ def plan(experiment: str, drafters: Path | None = None, rehearse: bool = True,
                              "every call 1 brings the device's back (device-pip-freeze.txt)")
         problems = gpu_sites.check(gpu_sites.record(BUNDLE), gpu_sites.device_freeze())
         if problems:
-            raise SystemExit("gpu: the sites conflict (bench/gpu_sites.py check):\n  "
+            raise SystemExit("gpu: the sites conflict (bench/device/gpu.py sites check):\n  "
                              + "\n  ".join(problems))
     cap = (CALL_BYTES - _tree_bytes()) // 2**20 * 2**20  # whole MiB: parts stay put
     calls: list[list[dict]] = [[]]
@@ -235,12 +236,12 @@ def plan(experiment: str, drafters: Path | None = None, rehearse: bool = True,
         carry = [plan_rel, *(p["path"] for p in call)]
         mib = sum(p["bytes"] for p in call) / 2**20
         say(f"call {i}/{len(calls)} ({mib:.0f} MiB): carry {json.dumps(carry)} -> "
-            f"python3 bench/gpu.py call {experiment} {i}")
+            f"python3 bench/device/gpu.py call {experiment} {i}")
     if any(p.startswith("model:") for p in pieces):
         say(f"targets {', '.join(models)}: the step sees MODELS={' '.join(models)!r} and "
             "$GPU_STAGE/<name>.gguf")
     say(f"then, to continue a step its call's time stopped: carry {json.dumps([plan_rel])} -> "
-        f"python3 bench/gpu.py call {experiment} run")
+        f"python3 bench/device/gpu.py call {experiment} run")
     return calls
 
 
@@ -327,7 +328,7 @@ def run_step(experiment: str, budget_s: int, out: Path, models: list[str]) -> in
            "RESULTS": str(results), "BUDGET_S": str(budget_s), "GPU_HOME": str(DEVICE), "PYTHONUNBUFFERED": "1",
            "VLLM_WORKER_MULTIPROC_METHOD": "spawn", "EAGLE3_CACHE": str(DEVICE / "cache"),
            "MODELS": " ".join(models)}
-    step = ROOT / "bench" / "gpu_steps" / f"{experiment}.sh"
+    step = ROOT / "bench" / "device" / "steps" / f"{experiment}.sh"
     say(f"step {step.relative_to(ROOT)} with {budget_s} s")
     t = time.monotonic()
     try:
@@ -372,6 +373,24 @@ def call(experiment: str, which: str) -> int:
                     record.get("models", MODELS))
 
 
+def sites(what: str) -> int:
+    """`record` the bundle's metadata (after a bundle change), or `check` it against the
+    device's freeze (gpu_sites.py's declaration of the sites)."""
+    if what == "record":
+        gpu_sites.METADATA_FIXTURE.write_text(
+            json.dumps(gpu_sites.record(), indent=1, sort_keys=True) + "\n")
+        print(f"gpu sites: wrote {gpu_sites.METADATA_FIXTURE.relative_to(ROOT)}")
+        return 0
+    if what == "check":
+        meta = json.loads(gpu_sites.METADATA_FIXTURE.read_text())
+        problems = gpu_sites.check(meta, gpu_sites.device_freeze())
+        for p in problems:
+            print(f"gpu sites: {p}")
+        print(f"gpu sites: {len(problems)} conflict(s) on {', '.join(gpu_sites.PATHS)}")
+        return 1 if problems else 0
+    raise SystemExit(f"gpu sites: {what!r}: give record or check")
+
+
 def main(argv: list[str]) -> int:
     if not argv:
         print(__doc__)
@@ -379,6 +398,8 @@ def main(argv: list[str]) -> int:
     what, rest = argv[0], argv[1:]
     if what == "bundle":
         return bundle()
+    if what == "sites":
+        return sites(rest[0] if rest else "check")
     if what in ("plan", "call", "collect") and (not rest or rest[0] not in EXPERIMENTS):
         raise SystemExit(f"gpu: {what} needs one of {', '.join(EXPERIMENTS)}")
     if what == "plan":
@@ -390,7 +411,7 @@ def main(argv: list[str]) -> int:
         return call(rest[0], rest[1] if len(rest) > 1 else "1")
     if what == "collect":
         return collect(rest[0], Path(rest[1]))
-    raise SystemExit(f"gpu: {what!r}: give bundle, plan, call or collect")
+    raise SystemExit(f"gpu: {what!r}: give bundle, sites, plan, call or collect")
 
 
 if __name__ == "__main__":

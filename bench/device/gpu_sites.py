@@ -1,4 +1,4 @@
-"""The Python environments the GPU driver (bench/gpu.py) layers on the H200 machine, and
+"""The Python environments the GPU driver (bench/device/gpu.py) layers on the H200 machine, and
 their rehearsal here: which packages each process sees, in its path's order, and whether
 every package's own requirements hold there.
 
@@ -12,21 +12,19 @@ trainer's datasets 5.1.0 (huggingface-hub >= 1) behind the vLLM kit's hub 0.36.2
 METADATA and the device's `pip list --format=freeze` (tests/fixtures/h200-pip-freeze.txt),
 here, before GPU time is spent.
 
-    python3 bench/gpu_sites.py record   # after rebuilding .gpu-bundle: the fixture of its metadata
-    python3 bench/gpu_sites.py check    # the conflicts of every process's path (exit 1 if any)
+    python3 bench/device/gpu.py sites record   # after rebuilding .gpu-bundle: the fixture of its metadata
+    python3 bench/device/gpu.py sites check    # the conflicts of every process's path (exit 1 if any)
 """
 
 from __future__ import annotations
 
 import email.parser
 import hashlib
-import json
 import re
-import sys
 import zipfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 BUNDLE = ROOT / ".gpu-bundle"
 FIXTURES = ROOT / "tests" / "fixtures"
 METADATA_FIXTURE = FIXTURES / "gpu-bundle-metadata.json"
@@ -98,7 +96,7 @@ def record(bundle: Path = BUNDLE) -> dict:
         files = _group_files(group, bundle)
         if not files or not all(f.is_file() for f in files):
             raise SystemExit(f"gpu_sites: {bundle / group} is missing: build the bundle first "
-                             "(python3 bench/gpu.py bundle)")
+                             "(python3 bench/device/gpu.py bundle)")
         groups[group] = [{"file": f.name, "sha256": hashlib.sha256(f.read_bytes()).hexdigest(),
                           "dists": _dists_in(f)} for f in files]
     return {"python": DEVICE_PYTHON, "groups": groups}
@@ -168,23 +166,3 @@ def check(meta: dict, base: dict[str, str]) -> list[str]:
 def pythonpath(path_name: str, repo: Path) -> str:
     """PATHS[path_name] as the device's PYTHONPATH (src relative to the checkout there)."""
     return ":".join(str(repo / e) if e == "src" else e for e in PATHS[path_name])
-
-
-def main(argv: list[str]) -> int:
-    what = argv[0] if argv else "check"
-    if what == "record":
-        METADATA_FIXTURE.write_text(json.dumps(record(), indent=1, sort_keys=True) + "\n")
-        print(f"gpu_sites: wrote {METADATA_FIXTURE.relative_to(ROOT)}")
-        return 0
-    if what == "check":
-        meta = json.loads(METADATA_FIXTURE.read_text())
-        problems = check(meta, device_freeze())
-        for p in problems:
-            print(f"gpu_sites: {p}")
-        print(f"gpu_sites: {len(problems)} conflict(s) on {', '.join(PATHS)}")
-        return 1 if problems else 0
-    raise SystemExit(f"gpu_sites: {what!r}: give record or check")
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))

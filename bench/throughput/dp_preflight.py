@@ -1,6 +1,6 @@
 """Preflight + tokenization cost of data parallelism: DP=N vs DP=1, same dataset, one run.
 
-    python bench/dp_preflight.py --rows 100000 --dp 4 [--out /tmp/dp-bench]
+    python bench/throughput/dp_preflight.py --rows 100000 --dp 4 [--out /tmp/dp-bench]
 
 Writes a .jsonl of `--rows` chat conversations (the committed sample conversations,
 each varied by a row number so no two rows tokenize alike), then times
@@ -21,20 +21,10 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-SAMPLE = ROOT / "src/eagle3_extract/assets/sample/conversations.jsonl"
+from inputs import write_rows
+
+ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent / "eagle3-extract"
-
-
-def write_rows(path: Path, rows: int) -> None:
-    base = [json.loads(line) for line in SAMPLE.read_text().splitlines() if line.strip()]
-    with open(path, "w") as f:
-        for i in range(rows):
-            row = json.loads(json.dumps(base[i % len(base)]))
-            turns = row.get("conversations") or row.get("messages")
-            key = "value" if "conversations" in row else "content"
-            turns[0][key] = f"[{i}] {turns[0][key]}"
-            f.write(json.dumps(row) + "\n")
 
 
 def timed_run(dataset: Path, out: Path, dp: int) -> float:

@@ -1,6 +1,6 @@
 """What a rerun's check of the files it finds costs: output.recheck=header vs content.
 
-    .venv/bin/python bench/recheck.py [--files 16] [--tokens 2048] [--out /var/tmp/eagle3-recheck]
+    .venv/bin/python bench/throughput/recheck.py [--files 16] [--tokens 2048] [--out /var/tmp/eagle3-recheck]
 
 Writes `--files` sample files of the headline job's geometry (Kimi-K2.5: four states of
 hidden 7,168 in bf16, 57,344 bytes a token; `--tokens` a sample) with the job's own

@@ -9,7 +9,7 @@ would be a free prefix-cache hit for the peer, which caches prefixes; ours never
 words drawn with a fixed seed from the committed sample set, `--samples` of them, answer
 lengths spread like chat data.
 
-    .venv/bin/python bench/peer.py --model smollm2 --samples 96 --out /tmp/peer-bench
+    .venv/bin/python bench/throughput/peer.py --model smollm2 --samples 96 --out /tmp/peer-bench
 """
 
 from __future__ import annotations
@@ -43,13 +43,13 @@ def conversations(n: int, seed: int, mean_words: int) -> list[dict]:
 
 
 def plain_prefill(report: dict, threads: int) -> dict:
-    """bench/plain_prefill.py in our env and in the peer's, on the run's token ids."""
+    """bench/throughput/plain_prefill.py in our env and in the peer's, on the run's token ids."""
     import subprocess
 
     from eagle3_extract.dev import peer
 
     m = report["model"]
-    args = [str(ROOT / "bench/plain_prefill.py"), "--model", str(m["resolved_path"]),
+    args = [str(ROOT / "bench/throughput/plain_prefill.py"), "--model", str(m["resolved_path"]),
             "--tokens", str(Path(report["run_dir"]) / "tokens.jsonl"), "--dtype",
             str(m["dtype"]), "--max-model-len", str(report["max_model_len"])]
     out = {}
@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--json", type=Path, help="also write the report here")
     p.add_argument("--plain-prefill", action="store_true",
-                   help="also time each vLLM's plain prefill (bench/plain_prefill.py) on the "
+                   help="also time each vLLM's plain prefill (bench/throughput/plain_prefill.py) on the "
                         "same ids: splits the gap into engine and capture")
     p.add_argument("overrides", nargs="*", help="more Hydra overrides for our job")
     a = p.parse_args(argv)
@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         r = peer.side_by_side(a.out / "run", over, a.threads)
     except peer.PeerError as e:
-        print(f"bench/peer.py: {e}", file=sys.stderr)
+        print(f"bench/throughput/peer.py: {e}", file=sys.stderr)
         return 1
     o, q = r["ours"], r["peer"]
     print(f"model {r['model']['resolved_path']} ({r['model']['dtype']}), layer ids "
