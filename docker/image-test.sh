@@ -43,7 +43,7 @@ print('BUILD_INFO ok:', info['versions']['vllm'], info['versions']['torch'])"
 if run --entrypoint test "$IMAGE:latest" -d /opt/eagle3-extract/tests; then
     echo "the runtime image carries tests/" >&2; exit 1
 fi
-run --entrypoint test "$IMAGE:test" -f /opt/eagle3-extract/bench/run.py
+run --entrypoint test "$IMAGE:test" -f /opt/eagle3-extract/bench/throughput/run.py
 # Captured first: grep -q closing the pipe early would fail the run under pipefail.
 train_help=$(run "$IMAGE:latest" train --help 2>&1) || true
 grep -q -- "--data-path" <<<"$train_help" \
