@@ -356,7 +356,12 @@ def run_serve(plan: Plan) -> dict[str, Any]:
         proc = subprocess.run([plan.serve_python, "-P", str(script), str(req), str(res)],
                               capture_output=not plan.verbose, text=True)
         if proc.returncode or not res.is_file():
-            tail = ((proc.stderr or "").strip().splitlines() or ["(see its output above)"])[-1]
+            lines = (f"{proc.stdout or ''}\n{proc.stderr or ''}".strip().splitlines()
+                     or ["(see its output above)"])
+            # the root cause, not the warnings vLLM's processes print on their way out
+            tail = next((ln for ln in lines if "Error:" in ln and "EngineDeadError" not in ln
+                         and "Engine core initialization failed" not in ln), lines[-1])
+            tail = tail.split("] ", 1)[-1].strip()
             raise JobError(f"the serving engine ({plan.serve_python}) failed with exit status "
                            f"{proc.returncode}: {tail[:300]}")
         out = json.loads(res.read_text())
