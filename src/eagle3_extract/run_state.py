@@ -134,17 +134,24 @@ class RunState:
     links: list[str] = field(default_factory=list)  # links where the run's files belong
 
     @property
-    def missing(self) -> list[str]:
+    def unfinished(self) -> list[str]:
+        """What the extraction has still to do (finish it: eagle3-status names the shards)."""
         out = [p.message for p in self.problems]
         if self.not_complete and not self.problems:
             count = self.manifests[0].shard_count
             out.append(f"shards {self.not_complete} of shard.count={count} are not complete")
         if self.merge:
             out.append(merge_message(self.merge))
-        if self.links:
-            out.append(f"{len(self.links)} symbolic links where the run's files belong (e.g. "
-                       f"{self.links[0]}); rerun the extraction to replace them")
         return out
+
+    @property
+    def missing(self) -> list[str]:
+        """Everything that keeps the run from being complete: `unfinished`, then links."""
+        if not self.links:
+            return self.unfinished
+        return self.unfinished + [
+            f"{len(self.links)} symbolic links where the run's files belong (e.g. "
+            f"{self.links[0]}); rerun the extraction to replace them"]
 
     @property
     def complete(self) -> bool:

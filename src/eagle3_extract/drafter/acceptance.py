@@ -304,6 +304,7 @@ def run_vllm(plan: Plan) -> dict[str, Any]:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
+    from eagle3_extract.drafter.serve_run import measured
     from eagle3_extract.engine.vllm_args import check_vllm_args, model_args, quiet_known_warnings
     from eagle3_extract.regenerate.generation import close_llm
 
@@ -320,19 +321,24 @@ def run_vllm(plan: Plan) -> dict[str, Any]:
         params = SamplingParams(temperature=0.0, max_tokens=int(plan.acceptance.max_tokens))
         outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in plan.prompts], params,
                             use_tqdm=False)
-        seconds = time.monotonic() - t0
-        metrics = {m.name: m for m in llm.get_metrics()}
+        out = measured(llm, outs, time.monotonic() - t0)
     finally:
         close_llm(llm)
+    rep = _engine_report(k, out)
+    rep["vllm"] = {"accepted_tokens": out["accepted_tokens"], "draft_tokens": out["draft_tokens"]}
+    return rep
+
+
+def _engine_report(k: int, out: dict[str, Any]) -> dict[str, Any]:
+    """The report of a vLLM that ran the speculative decoding (serve_run.measured's dict):
+    its own counts, per position."""
     counts = Counts(k)
-    counts.prompts = len(outs)
-    counts.generated = sum(len(o.outputs[0].token_ids) for o in outs)
-    counts.drafts = int(metrics["vllm:spec_decode_num_drafts"].value)
-    counts.accepted = [int(v) for v in metrics["vllm:spec_decode_num_accepted_tokens_per_pos"].values]
+    counts.prompts = len(out["outputs"])
+    counts.generated = sum(len(o) for o in out["outputs"])
+    counts.drafts = out["drafts"]
+    counts.accepted = list(out["accepted_per_position"])
     rep = counts.report()
-    rep["seconds"] = round(seconds, 1)
-    rep["vllm"] = {"accepted_tokens": int(metrics["vllm:spec_decode_num_accepted_tokens"].value),
-                   "draft_tokens": int(metrics["vllm:spec_decode_num_draft_tokens"].value)}
+    rep["seconds"] = round(out["seconds"], 1)
     return rep
 
 
@@ -365,13 +371,7 @@ def run_serve(plan: Plan) -> dict[str, Any]:
             raise JobError(f"the serving engine ({plan.serve_python}) failed with exit status "
                            f"{proc.returncode}: {tail[:300]}")
         out = json.loads(res.read_text())
-    counts = Counts(k)
-    counts.prompts = len(out["outputs"])
-    counts.generated = sum(len(o) for o in out["outputs"])
-    counts.drafts = out["drafts"]
-    counts.accepted = out["accepted_per_position"]
-    rep = counts.report()
-    rep["seconds"] = round(out["seconds"], 1)
+    rep = _engine_report(k, out)
     rep["vllm_serve"] = {"vllm": out["vllm_version"], "python": plan.serve_python,
                          "accepted_tokens": out["accepted_tokens"],
                          "draft_tokens": out["draft_tokens"]}

@@ -90,11 +90,11 @@ def _checked_source(root: Path, out: Path) -> tuple[list, dict, str, bool]:
     except PermissionError as e:
         raise ExportError(f"{e.filename or root}: cannot be read ({e.strerror}); fix its "
                           "permissions") from e
-    missing = state.missing[:-1] if state.links else state.missing  # links: their own fix
-    if missing:
-        raise ExportError(f"{root}: {missing[0]}; finish the extraction first (eagle3-status)")
-    if state.links:
-        raise ExportError(f"{root}: {state.missing[-1]}")
+    if state.unfinished:
+        raise ExportError(f"{root}: {state.unfinished[0]}; finish the extraction first "
+                          "(eagle3-status)")
+    if state.why:  # links where its files belong: their own fix, in the line
+        raise ExportError(f"{root}: {state.why}")
     manifests = state.manifests
     fmt = str(manifests[0].config["output"]["format"])
     fp8 = manifests[0].storage.fp8

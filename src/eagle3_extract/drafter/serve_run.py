@@ -31,10 +31,18 @@ def main(request_path: str, result_path: str) -> int:
     t0 = time.monotonic()
     outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in req["prompts"]], params,
                         use_tqdm=False)
-    seconds = time.monotonic() - t0
+    result = measured(llm, outs, time.monotonic() - t0)
+    result["vllm_version"] = vllm.__version__
+    with open(result_path, "w") as f:
+        json.dump(result, f)
+    return 0
+
+
+def measured(llm, outs, seconds: float) -> dict:
+    """What a vLLM `LLM` that ran speculative decoding reports of it (its own metrics), with
+    its greedy tokens: the one reading of those metrics, here and in acceptance.run_vllm."""
     metrics = {m.name: m for m in llm.get_metrics()}
-    result = {
-        "vllm_version": vllm.__version__,
+    return {
         "seconds": seconds,
         "outputs": [list(o.outputs[0].token_ids) for o in outs],
         "drafts": int(metrics["vllm:spec_decode_num_drafts"].value),
@@ -43,9 +51,6 @@ def main(request_path: str, result_path: str) -> int:
         "accepted_per_position": [
             int(v) for v in metrics["vllm:spec_decode_num_accepted_tokens_per_pos"].values],
     }
-    with open(result_path, "w") as f:
-        json.dump(result, f)
-    return 0
 
 
 if __name__ == "__main__":  # vLLM's engine process is spawned: the guard is required
