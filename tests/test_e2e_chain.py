@@ -12,7 +12,7 @@ from eagle3_extract.dev import e2e
 
 
 def _args(**kw) -> argparse.Namespace:
-    base = dict(no_control=True, fp8=False, curve=[480, 2000], jobs=1)
+    base = dict(no_control=True, fp8=False, curve=[480, 2000], jobs=1, compare_engine=None)
     return argparse.Namespace(**{**base, **kw})
 
 
@@ -40,6 +40,29 @@ def test_the_chains_run_in_order_and_all_report(monkeypatch, tmp_path):
     reports = e2e.run_chains(tmp_path, _args())
     assert list(reports) == ["real", "curve-480", "curve-2000"]
     assert ran == ["x-real", "m-real", "x-curve-480", "m-curve-480", "x-curve-2000", "m-curve-2000"]
+
+
+def test_the_real_drafter_alone_is_measured_again_by_the_compare_engine(monkeypatch, tmp_path):
+    """--compare-engine: the real chain's drafter measured by a second acceptance engine
+    (its own output dir, that engine in place of --acceptance-arg's), the others once."""
+    ran: list[tuple] = []
+    monkeypatch.setattr(e2e, "extract", lambda out, args, kind, layers, lane: None)
+    monkeypatch.setattr(e2e, "train_and_measure",
+                        lambda out, args, kind, served, lane: {"engine": "vllm_serve"})
+    monkeypatch.setattr(e2e.Lane, "step", lambda self, module, *o: ran.append((module, *o)))
+    acc = tmp_path / "acceptance-real-hf"
+    acc.mkdir()
+    (acc / "acceptance.json").write_text('{"engine": "hf"}')
+    args = _args(curve=[480], compare_engine="hf", model="tiny", model_args=[], engine_args=[],
+                 acceptance_args=["engine=vllm_serve", "acceptance.num_speculative_tokens=3"],
+                 heldout=4, acceptance_tokens=8, max_tokens=8)
+    reports = e2e.run_chains(tmp_path, args)
+    assert reports["real"] == {"engine": "vllm_serve", "compared": {"engine": "hf"}}
+    assert "compared" not in reports["curve-480"]
+    (step,) = ran
+    assert step[0] == "acceptance" and f"output.dir={acc}" in step
+    assert "engine=hf" in step and "engine=vllm_serve" not in step
+    assert "acceptance.num_speculative_tokens=3" in step
 
 
 def test_a_pinned_regeneration_is_taken_by_its_hash_and_cut_to_samples(tmp_path):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import os
 import re
+import shutil
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -214,6 +215,9 @@ class TrainSettings:
     # project (where conf/ and .venv-train are), whatever the current directory
     python: str = "${oc.env:EAGLE3_TRAIN_PYTHON,.venv-train/bin/python}"
     extra_args: List[str] = field(default_factory=list)  # more `speculators train` flags
+    # the serving engine's (vLLM >= 0.18) Python, which reads the drafter before it is
+    # published: needed for a DeepseekV3 / Kimi target; "" skips it (docs/train.md)
+    serve_python: str = ".venv-train/bin/python"
 
 
 @dataclass
@@ -262,6 +266,14 @@ class AcceptanceConfig:
 def project_dir() -> Path:
     """The project's root: src/, conf/ and the make-built environments (.venv-train)."""
     return Path(__file__).resolve().parents[2]
+
+
+def project_python(value: str) -> str:
+    """An interpreter setting as a path: absolute, a name on PATH, else from the project root."""
+    path = Path(value).expanduser()
+    if path.is_absolute() or len(path.parts) > 1:
+        return str(path if path.is_absolute() else project_dir() / path)
+    return shutil.which(value) or value
 
 
 def conf_dir() -> Path:

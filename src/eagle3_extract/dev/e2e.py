@@ -17,7 +17,9 @@ so each set holds the smaller ones), measured on the same held-out prompts; the 
 go to e2e.json and a chart to <out>/learning-curve.png. `--prompts FILE` regenerates a
 larger prompt set (tools/make_prompts.py --large), and `--model-arg` / `--engine-arg` /
 `--acceptance-arg` / `--train-arg` pass overrides through, so that the same chain runs on
-a GPU (bench/device/steps/e2e.sh, through bench/device/gpu.py).
+a GPU (bench/device/steps/e2e.sh, through bench/device/gpu.py). `--compare-engine hf`
+measures the real drafter with a second acceptance engine too (the serving engine's figure
+beside vLLM 0.16's drafter arithmetic): one drafter, served alike by both.
 """
 
 from __future__ import annotations
@@ -193,13 +195,22 @@ def extract(out: Path, args: argparse.Namespace, kind: str, layers: list[str],
 
 def train_and_measure(out: Path, args: argparse.Namespace, kind: str, served: list[str],
                       lane: Lane) -> dict[str, Any]:
-    ext, drafter, acc = out / f"extract-{kind}", out / f"drafter-{kind}", out / f"acceptance-{kind}"
+    ext, drafter = out / f"extract-{kind}", out / f"drafter-{kind}"
     lane.step("train", f"data.dir={ext}", f"train={args.train}", f"output.dir={drafter}",
               *served, *args.train_args)
-    lane.step("acceptance", *model_args(args), f"drafter.dir={drafter / 'drafter'}",
+    return measure(out, args, kind, lane)
+
+
+def measure(out: Path, args: argparse.Namespace, kind: str, lane: Lane,
+            engine: str | None = None) -> dict[str, Any]:
+    """eagle3-acceptance of a chain's drafter on the held-out prompts: with the
+    --acceptance-arg engine, or with `engine` in its place (into acceptance-<kind>-<engine>)."""
+    acc = out / (f"acceptance-{kind}-{engine}" if engine else f"acceptance-{kind}")
+    overrides = [a for a in args.acceptance_args if not (engine and a.startswith("engine="))]
+    lane.step("acceptance", *model_args(args), f"drafter.dir={out / f'drafter-{kind}' / 'drafter'}",
               f"dataset.max_samples={args.heldout}",
               f"acceptance.max_tokens={args.acceptance_tokens or args.max_tokens}",
-              f"output.dir={acc}", *args.acceptance_args)
+              f"output.dir={acc}", *overrides, *([f"engine={engine}"] if engine else []))
     return json.loads((acc / ACCEPTANCE_JSON).read_text())
 
 
@@ -233,7 +244,11 @@ def run_chains(out: Path, args: argparse.Namespace) -> dict[str, dict[str, Any]]
             lane = Lane(env, out / "logs" / f"{name}.log") if env else Lane()
             if name != "real":
                 extract(out, args, name, layers, lane)
-            return train_and_measure(out, args, name, served, lane)
+            report = train_and_measure(out, args, name, served, lane)
+            if name == "real" and args.compare_engine:  # the same drafter, another engine
+                report = {**report, "compared": measure(out, args, name, lane,
+                                                        args.compare_engine)}
+            return report
         finally:
             slots.put(env)
 
@@ -283,6 +298,11 @@ def main(argv: list[str] | None = None) -> int:
                          "--regenerated-sha256")
     ap.add_argument("--regenerated-sha256", default=None, metavar="HEX",
                     help="the sha256 --regenerated's conversations.jsonl must have")
+    ap.add_argument("--compare-engine", default=None, metavar="ENGINE",
+                    help="also measure the real drafter with this acceptance engine (e.g. hf "
+                         "beside engine=vllm_serve); fail when the first-position acceptances "
+                         "differ by more than --compare-tolerance")
+    ap.add_argument("--compare-tolerance", type=float, default=0.05)
     ap.add_argument("--extract-arg", dest="extract_args", action="append", default=[])
     ap.add_argument("--train-arg", dest="train_args", action="append", default=[])
     ap.add_argument("--model-arg", dest="model_args", action="append", default=[],
@@ -321,6 +341,14 @@ def main(argv: list[str] | None = None) -> int:
     first = real["acceptance_per_position"][0]
     if args.min_first is not None and first < args.min_first:
         problems.append(f"real drafter: first-position acceptance {first:.1%} < {args.min_first:.1%}")
+    compared = real.pop("compared", None)
+    if compared is not None:  # one drafter, two engines: the same acceptance within noise
+        result["compared"] = {"engine": args.compare_engine, "real": compared}
+        other = compared["acceptance_per_position"][0]
+        if abs(other - first) > args.compare_tolerance:
+            problems.append(f"real drafter: first-position acceptance {first:.1%} served by "
+                            f"{real.get('engine')}, {other:.1%} by {args.compare_engine}: more "
+                            f"than {args.compare_tolerance:.1%} apart")
     if "control" in reports:
         manifest = json.loads((out / "extract-real" / MANIFEST_JSON).read_text())
         extract_ids, served_ids = control_layer_ids(manifest["layer_ids"])
@@ -351,7 +379,10 @@ def main(argv: list[str] | None = None) -> int:
     result["seconds"] = round(time.monotonic() - t0, 1)
     result["steps"] = TIMES  # this run's (a resumed step counts only what was left)
     write_json_atomic(out / "e2e.json", result)
-    for name in ("real", "control", "fp8", *(f"curve-{n}" for n in args.curve)):
+    if compared is not None:
+        reports[f"real ({args.compare_engine})"] = compared
+    for name in ("real", f"real ({args.compare_engine})", "control", "fp8",
+                 *(f"curve-{n}" for n in args.curve)):
         if name in reports:
             r = reports[name]
             per = " / ".join(f"{a:.1%}" for a in r["acceptance_per_position"])

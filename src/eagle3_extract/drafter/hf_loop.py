@@ -49,9 +49,12 @@ class Drafter:
                                      "retrain with it off (eagle3-train does)")
         rope = tl.get("rope_parameters") or {"rope_type": "default",
                                              "rope_theta": tl.get("rope_theta", 10000.0)}
-        if rope.get("rope_type", "default") != "default" or tl.get("rope_scaling"):
+        if tl.get("rope_scaling"):
+            rope = {**rope, **tl["rope_scaling"]}
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in ("default", "yarn"):
             raise PreflightError(f"{path}: rope {rope} is not implemented by the hf loop; "
-                                 "measure with engine=vllm")
+                                 "measure with engine=vllm or engine=vllm_serve")
         w = {k: v.to(device) for k, v in load_file(str(path / WEIGHTS)).items()}
         self.w = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in w.items()}
         self.embed = self.w.get("embed_tokens.weight", target_embed.to(dtype))
@@ -61,6 +64,19 @@ class Drafter:
         theta = float(rope["rope_theta"])
         self.inv_freq = 1.0 / theta ** (torch.arange(0, self.head_dim, 2, device=device,
                                                      dtype=torch.float32) / self.head_dim)
+        self.rope_scale = 1.0
+        if rope_type == "yarn":  # a DeepseekV3 / Kimi-K2.5 target's rope, which the drafter
+            # inherits: transformers' yarn, as the trainer's Llama layer computes it
+            from transformers import LlamaConfig
+            from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+            scaling = {k: v for k, v in rope.items() if k not in ("rope_theta", "type")}
+            llama = LlamaConfig(hidden_size=self.hidden, num_attention_heads=self.heads,
+                                head_dim=self.head_dim, rope_theta=theta,
+                                max_position_embeddings=int(tl["max_position_embeddings"]),
+                                rope_scaling={**scaling, "rope_type": "yarn"})
+            inv_freq, self.rope_scale = ROPE_INIT_FUNCTIONS["yarn"](llama, device)
+            self.inv_freq = inv_freq.float()
         self.dtype, self.device = dtype, device
         self.reset()
 
@@ -84,7 +100,8 @@ class Drafter:
     def _rope(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         f = pos.float()[:, None] * self.inv_freq[None]
         emb = torch.cat((f, f), dim=-1)
-        cos, sin = emb.cos().to(x.dtype)[None], emb.sin().to(x.dtype)[None]
+        cos = (emb.cos() * self.rope_scale).to(x.dtype)[None]
+        sin = (emb.sin() * self.rope_scale).to(x.dtype)[None]
         return x * cos + _rotate_half(x) * sin
 
     def _attn(self, layer: int, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:

