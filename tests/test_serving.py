@@ -24,7 +24,6 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 SERVE_PY = ROOT / ".venv-train" / "bin" / "python"
-SERVE_RUN = ROOT / "src" / "eagle3_extract" / "drafter" / "serve_run.py"
 pytestmark = [pytest.mark.engine, pytest.mark.trainer]
 MODULES = {"cli": "eagle3_extract.cli", "train": "eagle3_extract.drafter.train"}
 # float32 in both engines: 61 layers of bf16 rounding (and the MoE routing's near-ties it
@@ -80,11 +79,10 @@ def test_the_kimi_preset_is_what_the_serving_engine_feeds_the_drafter(tmp_path):
                "k": 3, "prompts": [s["input_ids"].tolist() for s in ours], "max_tokens": 2,
                "dtype": "float32", "max_model_len": 2048, "trust_remote_code": False,
                "vllm_args": {}, "kv_cache_bytes": 2**30, "record": str(record)}
-    (tmp_path / "request.json").write_text(json.dumps(request))
-    r = subprocess.run([str(SERVE_PY), "-P", str(SERVE_RUN), str(tmp_path / "request.json"),
-                        str(tmp_path / "result.json")], capture_output=True, text=True,
-                       env={**os.environ, "VLLM_MLA_DISABLE": "1"})
-    assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-3000:])
+    from eagle3_extract.drafter.serving import run_serve_script
+
+    assert os.environ.get("VLLM_MLA_DISABLE") == "1"  # conftest.py's: MLA off on the CPU
+    run_serve_script(str(SERVE_PY), request)
     got = torch.load(record, weights_only=True)
     assert got["drafter_class"] == "Eagle3LlamaForCausalLM"
 

@@ -229,20 +229,13 @@ def preflight(cfg: Any) -> Plan:
 def _serving_engine(acceptance: AcceptanceSettings) -> str:
     """acceptance.serve_python, resolved, when it has a vLLM >= SERVE_FLOOR (checked from
     the package metadata: seconds); raises PreflightError."""
-    from eagle3_extract.drafter.serving import FLOOR, serving_vllm
-    from eagle3_extract.config import project_python
+    from eagle3_extract.drafter.serving import FLOOR, find_serving_python
 
-    python = project_python(str(acceptance.serve_python))
-    try:
-        version = serving_vllm(python)
-    except OSError as e:
-        raise PreflightError(f"acceptance.serve_python={python!r}: {e.strerror or e}; build "
-                             "the serving engine's environment (make venv-train venv-peer) or "
-                             f"point acceptance.serve_python at a Python with vLLM >= {FLOOR}") from e
-    if version is None:
-        raise PreflightError(f"acceptance.serve_python={python!r}: engine=vllm_serve needs "
-                             f"vLLM >= {FLOOR} there and it has none (make venv-train "
-                             "venv-peer)")
+    python, why = find_serving_python(str(acceptance.serve_python))
+    if why is not None:
+        raise PreflightError(f"acceptance.serve_python={python!r}: {why}; engine=vllm_serve "
+                             f"needs vLLM >= {FLOOR} there (make venv-train venv-peer, or "
+                             "point acceptance.serve_python at one)")
     return python
 
 

@@ -122,23 +122,28 @@ SERVED_FROM_018 = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM",
                    "KimiK25ForConditionalGeneration")
 
 
+def find_serving_python(value: str) -> tuple[str, str | None]:
+    """(an interpreter setting resolved, why it is not a serving engine, or None when it
+    has a vLLM >= FLOOR): for acceptance.serve_python and train.serve_python alike."""
+    from eagle3_extract.config import project_python
+
+    python = project_python(value)
+    try:
+        version = serving_vllm(python)
+    except OSError as e:
+        return python, e.strerror or str(e)
+    return python, None if version else f"no vLLM >= {FLOOR}"
+
+
 def serving_engine(serve_python: str, architecture: str) -> str:
     """eagle3-train's train.serve_python, resolved, when it has a vLLM >= 0.18; "" when
     unset or (for a target vLLM 0.16 serves) when it has none. PreflightError for a
     DeepseekV3 / Kimi target without one: its drafter would be published unchecked by any
     engine that serves it."""
-    from eagle3_extract.config import project_python
-
     if not serve_python:
         return ""
-    python = project_python(serve_python)
-    try:
-        version = serving_vllm(python)
-    except OSError as e:
-        version, why = None, e.strerror or str(e)
-    else:
-        why = f"no vLLM >= {FLOOR}"
-    if version:
+    python, why = find_serving_python(serve_python)
+    if why is None:
         return python
     if architecture in SERVED_FROM_018:
         raise PreflightError(f"train.serve_python={python!r}: {why}; a {architecture} "
